@@ -1,0 +1,50 @@
+"""A small, readable FSDP: the executable specification behind the conformance suite.
+
+``import reference as fsdp`` reads like ``import torch.distributed.fsdp as fsdp`` for the subset it
+covers:
+
+* FSDP2 (per-parameter sharding): :func:`fully_shard`, :class:`FSDPModule`,
+  :class:`MixedPrecisionPolicy`, :class:`OffloadPolicy`, :class:`CPUOffloadPolicy`
+  (``reference/_fully_shard/``).
+* FSDP1 (flat-parameter sharding): :class:`FullyShardedDataParallel`, :class:`StateDictType`,
+  the state-dict configs, :class:`MixedPrecision`, :class:`ShardingStrategy`
+  (``reference/fully_sharded_data_parallel.py`` and its neighbours).
+* Auto-wrap policies: :mod:`reference.wrap`.
+
+This package imports torch only; it never imports the conformance harness.
+Names resolve lazily so that reading one part never requires importing the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it
+_EXPORTS = {
+    # FSDP2
+    "fully_shard": "reference._fully_shard",
+    "FSDPModule": "reference._fully_shard",
+    "UnshardHandle": "reference._fully_shard",
+    "MixedPrecisionPolicy": "reference._fully_shard",
+    "OffloadPolicy": "reference._fully_shard",
+    "CPUOffloadPolicy": "reference._fully_shard",
+    # FSDP1
+    "FullyShardedDataParallel": "reference.fully_sharded_data_parallel",
+    "StateDictType": "reference.api",
+    "StateDictConfig": "reference.api",
+    "FullStateDictConfig": "reference.api",
+    "ShardedStateDictConfig": "reference.api",
+    "LocalStateDictConfig": "reference.api",
+    "MixedPrecision": "reference.api",
+    "ShardingStrategy": "reference.api",
+}
+
+__all__ = sorted(_EXPORTS) + ["wrap"]
+
+
+def __getattr__(name: str):
+    if name == "wrap":
+        return importlib.import_module("reference.wrap")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'reference' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
