@@ -1,0 +1,330 @@
+"""What an auto-wrap policy would wrap, computed without touching the model.
+
+Two answers live here:
+
+* :func:`build_wrap_plan` → :class:`WrapPlan`: the units FSDP1's ``auto_wrap_policy`` would build,
+  in build order, each with its kwargs and the parameters it would manage. Implementations that
+  do not wrap (FSDP2-style ``fully_shard``) apply a plan by sharding each planned module in
+  order; FSDP1-style implementations pass the policy itself and get the same units.
+* :func:`_get_fully_sharded_module_to_states` (seed era, removed upstream in later versions):
+  the "pseudo auto-wrap" used by the old FSDP1-based composable ``fully_shard``, mapping each
+  unit to the parameters and buffers it would own.
+
+[Note: plan vocabulary]
+  unit        one module that gets sharded as a whole: a planned descendant or the root.
+  build order children before parents, siblings in registration order, the root last (the
+              order in which FSDP1 constructs its nested instances).
+  managed     the parameters of a unit's subtree that no earlier unit (in build order) manages
+              and that are not ignored; every non-ignored parameter is managed by exactly one
+              unit. A parameter shared between two units' subtrees goes to the earlier unit.
+  module FQN  the name from ``root.named_modules()`` of the unwrapped model ("" = root); a
+              module reachable along several paths is planned once, under its first name.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from reference._wrap_utils import (
+    _check_nested_wrapping,
+    _classes_present,
+    _get_managed_param_to_fqn,
+    _has_fsdp_state,
+    _mixed_precision_classes_to_ignore,
+    _post_order_apply,
+    _run_mixed_precision_override_policy,
+    _validate_frozen_params,
+    _warn_on_overridden_mixed_precision,
+)
+from reference.wrap import _or_policy, _Policy, _recursive_wrap, _wrap_module_cls_individually
+
+__all__ = ["WrapPlan", "WrapPlanEntry", "build_wrap_plan"]
+
+
+@dataclass(frozen=True)
+class WrapPlanEntry:
+    """One unit of a :class:`WrapPlan`."""
+
+    module_fqn: str  # "" for the root
+    kwargs: Mapping[str, Any]  # read-only; what FSDP1 would construct this unit with
+    param_fqns: tuple[str, ...]  # the parameters this unit manages, by FQN from the root
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """The units an auto-wrap policy selects, in build order (children first, root last)."""
+
+    entries: tuple[WrapPlanEntry, ...]  # len == number of units; entries[-1] is the root
+    ignored_param_fqns: tuple[str, ...]  # parameters no unit manages
+
+    @property
+    def targets(self) -> list[tuple[str, dict[str, Any]]]:
+        """``[(module_fqn, kwargs), ...]`` in build order (fresh dicts)."""
+        return [(e.module_fqn, dict(e.kwargs)) for e in self.entries]
+
+    @property
+    def module_fqns(self) -> tuple[str, ...]:
+        return tuple(e.module_fqn for e in self.entries)
+
+    def resolve(self, root: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+        """The planned modules of ``root`` (looked up by FQN) with their kwargs, in build order."""
+        return [(root.get_submodule(e.module_fqn), dict(e.kwargs)) for e in self.entries]
+
+
+def build_wrap_plan(
+    root: nn.Module,
+    policy: _Policy | Callable | None,
+    *,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
+    root_kwargs: Mapping[str, Any] | None = None,
+) -> WrapPlan:
+    """Plan ``FullyShardedDataParallel(root, auto_wrap_policy=policy, **root_kwargs)``.
+
+    Rules:
+      * The planned descendants and their kwargs are exactly what FSDP1's constructor would pass
+        to each nested instance (``_auto_wrap``): for a ``_Policy`` a copy of ``root_kwargs`` with
+        ``auto_wrap_policy=None`` plus the policy's overrides; for a callable policy
+        ``root_kwargs`` as given (plus a module's own ``_wrap_overrides``).
+      * ``root_kwargs["mixed_precision"]`` not ``None`` → every non-ignored instance of its
+        ``_module_classes_to_ignore`` (batch norm by default) is planned with
+        ``mixed_precision=None``, with upstream's warning (W11). The model gets no hooks: the
+        applier does that (``_override_module_mixed_precision``).
+      * The root is always the last entry, with ``root_kwargs`` unchanged; ``policy=None`` plans
+        the root alone.
+      * ``ignored_modules`` are expanded to their subtrees; they and ``ignored_params`` are
+        neither planned nor counted (as FSDP's ``ignored_states``).
+      * Raises as FSDP1 would, before anything else: bad ``ignored_modules``; a module with FSDP
+        already applied (W6); a ``CustomPolicy`` answer that is not a bool/dict (W10); mixed
+        frozen and trainable parameters in one ``_Policy`` target (W12, ``ValueError`` unless
+        ``use_orig_params``).
+    The model is not modified (no attribute, hook or child changes).
+    """
+    root_kwargs = dict(root_kwargs or {})
+    ignored_module_set = _get_ignored_modules(root, ignored_modules)
+    for p in ignored_params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params should contain nn.Parameters but got {type(p)}")
+    ignored_param_set = _get_ignored_params(root, ignored_module_set, ignored_params)
+    _check_nested_wrapping(root)
+
+    mixed_precision = root_kwargs.get("mixed_precision")
+    classes_to_ignore = _mixed_precision_classes_to_ignore(mixed_precision)
+    if policy is None:
+        targets: dict[nn.Module, dict[str, Any]] = {}
+    elif isinstance(policy, _Policy):
+        base = {**root_kwargs, "auto_wrap_policy": None}
+        targets = policy._run_policy(root, ignored_module_set, base)
+        if mixed_precision is not None:
+            targets = _run_mixed_precision_override_policy(
+                root, classes_to_ignore, ignored_module_set, base, targets
+            )
+            _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
+        use_orig_params = root_kwargs.get("use_orig_params", False)
+        _validate_frozen_params(root, set(targets), ignored_param_set, use_orig_params)
+    else:
+        targets = _plan_callable_policy(
+            root, policy, ignored_module_set, ignored_param_set, root_kwargs, classes_to_ignore
+        )
+    targets.pop(root, None)  # the caller shards the root with its own kwargs
+
+    names = {m: n for n, m in root.named_modules()}
+    build_order: list[nn.Module] = []
+    _post_order_apply(root, lambda m: build_order.append(m) if m in targets else None)
+    build_order.append(root)
+
+    entries: list[WrapPlanEntry] = []
+    walked: set[nn.Module] = set()
+    claimed: set[nn.Parameter] = set()
+    for module in build_order:
+        managed = _get_managed_param_to_fqn(module, ignored_param_set, walked, names[module])
+        fqns = tuple(fqn for p, fqn in managed.items() if p not in claimed)
+        claimed.update(managed)
+        kwargs = root_kwargs if module is root else targets[module]
+        entries.append(WrapPlanEntry(names[module], MappingProxyType(dict(kwargs)), fqns))
+    ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
+    return WrapPlan(tuple(entries), ignored_fqns)
+
+
+def _plan_callable_policy(
+    root: nn.Module,
+    policy: Callable,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    classes_to_ignore: tuple[type[nn.Module], ...],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Run :func:`_recursive_wrap` (children only) with a stand-in that records and returns the
+    module unchanged, so the walk, the counts and the kwargs are those of the real wrap."""
+    mp_override = root_kwargs.get("mixed_precision") is not None
+    if mp_override:
+        individually = functools.partial(
+            _wrap_module_cls_individually, module_classes=classes_to_ignore
+        )
+        policy = functools.partial(_or_policy, policies=[policy, individually])
+        _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
+    recorded: dict[nn.Module, dict[str, Any]] = {}
+
+    def record(module: nn.Module, **kwargs: Any) -> nn.Module:
+        if mp_override and isinstance(module, classes_to_ignore):
+            # Upstream replaces the module's `_wrap_overrides` with this one entry first.
+            kwargs = {**root_kwargs, "mixed_precision": None}
+        recorded.setdefault(module, kwargs)
+        return module
+
+    _recursive_wrap(root, policy, record, ignored_modules, ignored_params, True, **root_kwargs)
+    return recorded
+
+
+# ---------------------------------------------------------------------------------------------
+# Ignored modules and parameters (as FSDP's constructor normalises them before auto-wrapping)
+# ---------------------------------------------------------------------------------------------
+
+
+def _get_ignored_modules(
+    root_module: nn.Module, ignored_modules: Iterable[nn.Module] | None
+) -> set[nn.Module]:
+    """The given modules plus their whole subtrees (FSDP-managed modules themselves excluded).
+
+    Errors: a non-iterable → ``TypeError``; a non-module element → ``TypeError``; a module
+    with FSDP applied → ``ValueError``. Ignoring the root warns (all parameters ignored).
+    """
+    prefix = "`ignored_modules` should be an iterable of `torch.nn.Module`s "
+    try:
+        roots = set(ignored_modules) if ignored_modules is not None else set()
+    except TypeError as e:
+        raise TypeError(prefix + f"but got {type(ignored_modules)}") from e
+    for module in roots:
+        if not isinstance(module, nn.Module):
+            raise TypeError(prefix + f"but got an iterable with {type(module)}")
+        if _has_fsdp_state(module):
+            raise ValueError("`ignored_modules` should not include FSDP modules")
+    result = {m for r in roots for m in r.modules() if not _has_fsdp_state(m)}
+    if root_module in result:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself will "
+            f"result in all parameters being ignored and is not well-supported: {root_module}",
+            stacklevel=3,
+        )
+    return result
+
+
+def _get_ignored_params(
+    root_module: nn.Module,
+    ignored_modules: set[nn.Module],
+    ignored_parameters: Iterable[nn.Parameter] | None = None,
+) -> set[nn.Parameter]:
+    """Every parameter of the ignored modules, plus the explicitly ignored parameters."""
+    result = {p for m in ignored_modules for p in m.parameters()}
+    result.update(ignored_parameters or ())
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Seed era (W16): unit -> owned parameters and buffers, for the old composable `fully_shard`
+# ---------------------------------------------------------------------------------------------
+
+
+class FullyShardedModuleState(NamedTuple):
+    """What one logical unit owns: parameters to flatten together and buffers."""
+
+    params: list[nn.Parameter]
+    buffers: list[torch.Tensor]
+
+
+def _record_module_wrapper_cls(
+    wrapped_modules_set: set[nn.Module], module: nn.Module, **kwargs: Any
+) -> nn.Module:
+    """A stand-in ``wrapper_cls`` for :func:`_recursive_wrap`: remember ``module``, return it."""
+    wrapped_modules_set.add(module)
+    return module
+
+
+def _get_fully_sharded_module_to_states(
+    root_module: nn.Module,
+    auto_wrap_policy: _Policy | Callable | None,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    *,
+    assign_shared_params_to_lca: bool = False,
+) -> dict[nn.Module, FullyShardedModuleState]:
+    """Map each unit the policy selects (and the root, always) to the state it would own.
+
+    Rules:
+      * Units: the modules ``_recursive_wrap`` (root included) would wrap with the policy (a
+        non-callable ``_Policy`` contributes its ``_run_policy`` targets), plus the root.
+      * The dict follows ``root_module.modules()`` order, so parents precede children.
+      * Each unit owns the parameters and buffers of its subtree, not entering other units,
+        walked depth-first in registration order, skipping ignored parameters and anything an
+        earlier unit took. So a parameter shared between a parent unit and a child unit goes to
+        the parent; shared between siblings, to the first sibling.
+      * ``assign_shared_params_to_lca=True`` (the later seed-era variant): a parameter reachable
+        under several names instead goes to the unit whose walk reaches the lowest common
+        ancestor of its owning modules, appended after that module's own parameters.
+    The model is not modified.
+    """
+    units: set[nn.Module] = set()
+    if isinstance(auto_wrap_policy, _Policy) and not callable(auto_wrap_policy):
+        units.update(auto_wrap_policy._run_policy(root_module, ignored_modules, {}))
+    elif auto_wrap_policy is not None:
+        recorder = functools.partial(_record_module_wrapper_cls, units)
+        _recursive_wrap(root_module, auto_wrap_policy, recorder, ignored_modules, ignored_params)
+    units.add(root_module)
+
+    visited_params: set[nn.Parameter] = set(ignored_params)
+    lca_to_shared: dict[nn.Module, list[nn.Parameter]] = collections.defaultdict(list)
+    if assign_shared_params_to_lca:
+        for param, lca in _get_shared_param_to_lca_module(root_module, ignored_params).items():
+            lca_to_shared[lca].append(param)
+            visited_params.add(param)
+    visited_buffers: set[torch.Tensor] = set()
+    result: dict[nn.Module, FullyShardedModuleState] = {}
+    for unit in (m for m in root_module.modules() if m in units):
+        state = FullyShardedModuleState([], [])
+        stack = [unit]
+        while stack:
+            module = stack.pop()
+            for param in module.parameters(recurse=False):
+                if param not in visited_params:
+                    visited_params.add(param)
+                    state.params.append(param)
+            for buffer in module.buffers(recurse=False):
+                if buffer not in visited_buffers:
+                    visited_buffers.add(buffer)
+                    state.buffers.append(buffer)
+            state.params.extend(lca_to_shared.pop(module, []))
+            children = [c for c in module.children() if c not in units]
+            stack.extend(reversed(children))  # pop() then yields them in registration order
+        result[unit] = state
+    return result
+
+
+def _get_shared_param_to_lca_module(
+    root_module: nn.Module, ignored_params: set[nn.Parameter]
+) -> dict[nn.Parameter, nn.Module]:
+    """Each non-ignored parameter registered under more than one name → the lowest module whose
+    subtree contains all of those registrations."""
+    owners: dict[nn.Parameter, list[list[str]]] = collections.defaultdict(list)
+    for fqn, param in root_module.named_parameters(remove_duplicate=False):
+        if param not in ignored_params:
+            owners[param].append(fqn.split(".")[:-1])
+    result: dict[nn.Parameter, nn.Module] = {}
+    for param, paths in owners.items():
+        if len(paths) < 2:
+            continue
+        common: list[str] = []
+        for parts in zip(*paths):
+            if any(part != parts[0] for part in parts):
+                break
+            common.append(parts[0])
+        result[param] = root_module.get_submodule(".".join(common))
+    return result

@@ -1,0 +1,416 @@
+"""Applying an auto-wrap policy to a model: the machinery behind FSDP's ``auto_wrap_policy``.
+
+Mirrors ``torch.distributed.fsdp._wrap_utils`` (plus the helpers it borrows from ``wrap.py``,
+``_common_utils.py`` and ``_init_utils.py``). Vocabulary: see ``[Note: auto-wrap vocabulary]``
+in :mod:`reference.wrap`.
+
+[Note: the order of events in _auto_wrap]
+  1. Refuse a tree in which some module already has FSDP applied (W6).
+  2. Decide the targets and their kwargs (a ``_Policy`` at once; a callable policy during the
+     walk of step 5).
+  3. With mixed precision set, every instance of ``_module_classes_to_ignore`` (batch norm by
+     default) becomes a target with ``mixed_precision=None`` and fp32 cast hooks (W11).
+  4. ``_Policy`` path only: check that each target's parameters are uniformly frozen (W12).
+  5. Build the units children-first; the root is left to the caller.
+  Everything that can reject the input (1, 2 for ``_Policy``, 4) runs before the first change to
+  the model, so a rejected call leaves the model as it was. (Upstream attaches the cast hooks of
+  step 3 before step 4; here they are attached after it. The warnings keep upstream's order.)
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from reference.wrap import (
+    _or_policy,
+    _Policy,
+    _recursive_wrap,
+    _wrap_module_cls_individually,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _auto_wrap(
+    root_module: nn.Module,
+    policy: Callable | _Policy,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    fsdp_fn: Callable,
+) -> None:
+    """Wrap the descendants of ``root_module`` that ``policy`` selects, in place.
+
+    ``root_kwargs`` holds every constructor argument except the module, including
+    ``"mixed_precision"`` (may be ``None``). ``fsdp_fn`` builds one unit: a wrapper class (FSDP1)
+    or a function. For a ``_Policy`` the targets are built with ``auto_wrap_policy=None`` (key
+    ``"policy"`` when ``fsdp_fn`` is not a class) so they do not auto-wrap again; this key is
+    written into ``root_kwargs``. The root itself is never wrapped here.
+    """
+    mixed_precision = root_kwargs["mixed_precision"]
+    _check_nested_wrapping(root_module)
+    classes_to_ignore = _mixed_precision_classes_to_ignore(mixed_precision)
+
+    if isinstance(policy, _Policy):
+        root_kwargs["auto_wrap_policy" if inspect.isclass(fsdp_fn) else "policy"] = None
+        targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
+        if mixed_precision is not None:
+            targets = _run_mixed_precision_override_policy(
+                root_module, classes_to_ignore, ignored_modules, root_kwargs, targets
+            )
+            _warn_on_overridden_mixed_precision(_classes_present(root_module, classes_to_ignore))
+        _validate_frozen_params(
+            root_module, set(targets), ignored_params, root_kwargs.get("use_orig_params", False)
+        )
+        if mixed_precision is not None:
+            _override_module_mixed_precision(root_module, classes_to_ignore)
+        _post_order_apply(root_module, _construct_wrap_fn(root_module, targets, fsdp_fn))
+        return
+
+    if mixed_precision is not None:
+        # Batch norms become their own units through an OR with a class policy; the cast hooks
+        # and the `_wrap_overrides` attribute (read by `_wrap`) supply the fp32 configuration.
+        overridden = _override_module_mixed_precision(root_module, classes_to_ignore)
+        individually = functools.partial(
+            _wrap_module_cls_individually, module_classes=classes_to_ignore
+        )
+        policy = functools.partial(_or_policy, policies=[policy, individually])
+        _warn_on_overridden_mixed_precision(overridden)
+    _recursive_wrap(
+        module=root_module,
+        auto_wrap_policy=policy,
+        wrapper_cls=fsdp_fn,
+        ignored_modules=ignored_modules,
+        ignored_params=ignored_params,
+        only_wrap_children=True,
+        **root_kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Post-order application (the `_Policy` path; also reused by activation checkpointing)
+# ---------------------------------------------------------------------------------------------
+
+
+def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Call ``fn`` on every module of the tree, children before parents.
+
+    Rules: children in registration order; a module reachable along several paths is visited once
+    (at its first path); if ``fn`` returns a module, it replaces the visited one under the same
+    attribute name of its parent (so returning a module for the root is an error); ``fn`` must
+    return ``None`` or an ``nn.Module`` (``AssertionError`` otherwise).
+    """
+    visited = {root_module}
+
+    def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
+        for child_name, child in module.named_children():
+            if child not in visited:
+                visited.add(child)
+                visit(child, child_name, module)
+        replacement = fn(module)
+        if replacement is None:
+            return
+        if not isinstance(parent, nn.Module):
+            raise AssertionError(  # noqa: TRY004 (upstream's exception type)
+                "Non-root modules should have their parent module set but got "
+                f"{parent} for {module}"
+            )
+        if not name:
+            raise AssertionError(
+                "Non-root modules should have their module name set but got an empty module "
+                f"name for {module}"
+            )
+        if not isinstance(replacement, nn.Module):
+            raise AssertionError(  # noqa: TRY004 (upstream's exception type)
+                f"fn should return None or an nn.Module but got {replacement}"
+            )
+        setattr(parent, name, replacement)
+
+    visit(root_module, "", None)
+
+
+def _construct_wrap_fn(
+    root_module: nn.Module,
+    target_module_to_kwargs: dict[nn.Module, dict[str, Any]],
+    fsdp_fn: Callable,
+) -> Callable[[nn.Module], nn.Module | None]:
+    """The ``fn`` for :func:`_post_order_apply`: build a unit for each target except the root."""
+
+    def fn(module: nn.Module) -> nn.Module | None:
+        if module is root_module or module not in target_module_to_kwargs:
+            return None
+        return fsdp_fn(module, **target_module_to_kwargs[module])
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# W6: no nested FSDP
+# ---------------------------------------------------------------------------------------------
+
+# Extra "does this module already have FSDP applied?" checks, for implementations this file
+# cannot know about (register with `_register_fsdp_state_check`).
+_FSDP_STATE_CHECKS: list[Callable[[nn.Module], bool]] = []
+
+
+def _register_fsdp_state_check(check: Callable[[nn.Module], bool]) -> None:
+    """Teach :func:`_check_nested_wrapping` another way to recognise an FSDP-managed module."""
+    _FSDP_STATE_CHECKS.append(check)
+
+
+def _has_fsdp_state(module: nn.Module) -> bool:
+    """Whether ``module`` already has some FSDP applied.
+
+    Recognised: torch's FSDP1 wrapper and its old composable state (``_get_module_fsdp_state``);
+    torch's FSDP2 (``FSDPModule``); this package's FSDP1 wrapper and FSDP2 ``FSDPModule`` (looked
+    up only if their modules were imported — a module of a class never imported cannot exist);
+    and any registered check.
+    """
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+
+    if _get_module_fsdp_state(module) is not None or isinstance(module, TorchFSDPModule):
+        return True
+    for module_path, class_name in (
+        ("reference.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+        ("reference._fully_shard", "FSDPModule"),
+    ):
+        cls = getattr(sys.modules.get(module_path), class_name, None)
+        if isinstance(cls, type) and isinstance(module, cls):
+            return True
+    return any(check(module) for check in _FSDP_STATE_CHECKS)
+
+
+def _check_nested_wrapping(root_module: nn.Module) -> None:
+    """Raise ``ValueError`` naming the first module (``named_modules`` order) with FSDP applied.
+
+    Stricter than torch 2.13, which only recognises FSDP1 states: it auto-wraps around a
+    ``fully_shard`` (FSDP2) submodule without complaint.
+    """
+    for name, module in root_module.named_modules():
+        if _has_fsdp_state(module):
+            raise ValueError(
+                "FSDP auto wrapping requires modules to not already have FSDP applied but found "
+                f"{name} in\n{root_module}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# W11: modules kept out of mixed precision (batch norm by default)
+# ---------------------------------------------------------------------------------------------
+
+# module -> dtype of the floating-point input its pre-hook last cast to fp32 (restored on output)
+_MODULE_TO_INP_DTYPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mixed_precision_classes_to_ignore(mixed_precision: Any) -> tuple[type[nn.Module], ...]:
+    """``mixed_precision._module_classes_to_ignore`` (default: ``(_BatchNorm,)``), deduplicated."""
+    classes = getattr(
+        mixed_precision, "_module_classes_to_ignore", (nn.modules.batchnorm._BatchNorm,)
+    )
+    return tuple(dict.fromkeys(classes))
+
+
+def _classes_present(root: nn.Module, classes: Iterable[type[nn.Module]]) -> set[type[nn.Module]]:
+    """Exact types of the modules in ``root``'s tree that are instances of ``classes``."""
+    classes = tuple(classes)
+    return {type(m) for m in root.modules() if isinstance(m, classes)}
+
+
+def _run_mixed_precision_override_policy(
+    root_module: nn.Module,
+    module_classes: Iterable[type[nn.Module]],
+    ignored_modules: set[nn.Module],
+    root_kwargs: dict[str, Any],
+    target_module_to_kwargs: dict[nn.Module, dict[str, Any]],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Make every non-ignored instance of ``module_classes`` a target with ``mixed_precision=None``.
+
+    A module the policy already chose keeps its kwargs apart from that one key; any other gets
+    the root kwargs. Upstream aliases the caller's ``root_kwargs`` dict for the latter (and then
+    sets its ``"mixed_precision"`` to ``None``); here each gets its own copy, which builds the same
+    units without changing the caller's dict.
+    """
+    classes = tuple(set(module_classes))
+    for module in root_module.modules():
+        if module in ignored_modules or not isinstance(module, classes):
+            continue
+        kwargs = dict(target_module_to_kwargs.get(module, root_kwargs))
+        kwargs["mixed_precision"] = None
+        target_module_to_kwargs[module] = kwargs
+    return target_module_to_kwargs
+
+
+def _warn_on_overridden_mixed_precision(overridden_module_classes: set[type[nn.Module]]) -> None:
+    if not overridden_module_classes:
+        return
+    # "instacnes" is upstream's spelling, kept so that the message matches.
+    warnings.warn(
+        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+        f"module has submodules of type:\n{overridden_module_classes}\n"
+        "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled.",
+        stacklevel=3,
+    )
+
+
+def _override_module_mixed_precision(
+    root: nn.Module,
+    module_classes_to_override: Iterable[type[nn.Module]],
+    wrap_override_dict: dict[str, Any] | None = None,
+) -> set[type[nn.Module]]:
+    """Prepare each instance of the classes to run in fp32 inside a low-precision model.
+
+    For every instance (ignored ones too): set ``_wrap_overrides`` (default
+    ``{"mixed_precision": None}``, one dict shared by all), and append a forward pre-hook that
+    casts floating-point input tensors of another dtype to fp32 (remembering that dtype) and a
+    forward hook that casts floating-point outputs back to the remembered dtype. Returns the
+    exact types found.
+    """
+    if wrap_override_dict is None:
+        wrap_override_dict = {"mixed_precision": None}
+    classes = tuple(set(module_classes_to_override))
+    found: set[type[nn.Module]] = set()
+    for module in root.modules():
+        if not isinstance(module, classes):
+            continue
+        found.add(type(module))
+        module._wrap_overrides = wrap_override_dict
+        module.register_forward_pre_hook(_cast_inputs_to_fp32, prepend=False)
+        module.register_forward_hook(_cast_outputs_back, prepend=False)
+    return found
+
+
+def _cast_to(dtype: torch.dtype, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_floating_point(x) or x.dtype == dtype:
+        return x
+    _MODULE_TO_INP_DTYPE[module] = x.dtype
+    return x.to(dtype)
+
+
+def _cast_inputs_to_fp32(module: nn.Module, args: Any) -> Any:
+    return tree_map_only(torch.Tensor, functools.partial(_cast_to, torch.float32, module), args)
+
+
+def _cast_outputs_back(module: nn.Module, args: Any, output: Any) -> Any:
+    if module not in _MODULE_TO_INP_DTYPE:  # no floating-point input was ever cast
+        return None
+    cast = functools.partial(_cast_to, _MODULE_TO_INP_DTYPE[module], module)
+    return tree_map_only(torch.Tensor, cast, output)
+
+
+# ---------------------------------------------------------------------------------------------
+# W12: uniformly frozen parameters per unit
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate_frozen_params(
+    root_module: nn.Module,
+    modules_to_wrap: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    use_orig_params: bool,
+) -> None:
+    """Each module in ``modules_to_wrap`` must manage only frozen or only trainable parameters.
+
+    "Manages" = its subtree's parameters minus ignored ones and minus those managed by a
+    module-to-wrap met earlier in post-order (:func:`_get_post_order_named_modules`). The first
+    violating module (in that order) raises ``ValueError`` when ``use_orig_params`` is false; with
+    ``use_orig_params`` every violating module gets a ``UserWarning`` instead.
+    """
+    visited: set[nn.Module] = set()
+    for name, module in _get_post_order_named_modules(root_module):
+        if module not in modules_to_wrap:
+            continue
+        managed = _get_managed_param_to_fqn(module, ignored_params, visited, name)
+        trainable = [fqn for p, fqn in managed.items() if p.requires_grad]
+        frozen = [fqn for p, fqn in managed.items() if not p.requires_grad]
+        if not trainable or not frozen:
+            continue
+        msg = f"{name} has both parameters with requires_grad=True and False."
+        if use_orig_params:
+            total = sum(p.numel() for p in managed)
+            nonfrozen = sum(p.numel() for p in managed if p.requires_grad)
+            msg += (
+                " We do not recommend wrapping such modules since the gradient memory usage will "
+                f"be higher than expected ({total} numel instead of {nonfrozen} numel before "
+                "sharding via reduce-scatter). "
+            )
+        else:
+            msg += " FSDP does not support wrapping such modules when use_orig_params=False. "
+        msg += (
+            "If possible, wrap the frozen parameters with FSDP separately.\n"
+            f"The following parameters have requires_grad=True:\n{trainable}\n"
+            f"The following parameters have requires_grad=False:\n{frozen}"
+        )
+        if not use_orig_params:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _get_post_order_named_modules(root_module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` children-first with siblings in registration order, each module once.
+
+    Built as the reverse of a stack-based pre-order that pushes children in registration order;
+    a module shared between paths keeps the name of the first path pushed.
+    """
+    seen = {root_module}
+    stack = [("", root_module)]
+    pre_order: list[tuple[str, nn.Module]] = []
+    while stack:
+        name, module = stack.pop()
+        pre_order.append((name, module))
+        for child_name, child in module.named_children():
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return pre_order[::-1]
+
+
+def _get_managed_param_to_fqn(
+    module_to_wrap: nn.Module,
+    ignored_params: set[nn.Parameter],
+    visited_modules: set[nn.Module],
+    root_prefix: str,
+) -> dict[nn.Parameter, str]:
+    """Parameters ``module_to_wrap`` would manage, mapped to their FQN from the root.
+
+    Walks the subtree breadth-first without entering modules in ``visited_modules`` (the units
+    built before this one), adding every walked module to it. Call it in post-order over the
+    modules to wrap: then each parameter is returned by exactly one call.
+    """
+    result: dict[nn.Parameter, str] = {}
+    visited_modules.add(module_to_wrap)
+    queue = collections.deque([(module_to_wrap, root_prefix)])
+    while queue:
+        module, prefix = queue.popleft()
+        for param_name, param in module.named_parameters(recurse=False):
+            if param not in ignored_params:
+                result[param] = f"{prefix}.{param_name}" if prefix else param_name
+        for child_name, child in module.named_children():
+            if child is None or child in visited_modules:
+                continue
+            visited_modules.add(child)
+            queue.append((child, f"{prefix}.{child_name}" if prefix else child_name))
+    return result
+
+
+# Seed-era names that live in `reference._wrap_plan` (which imports this module).
+def __getattr__(name: str):
+    if name in ("FullyShardedModuleState", "_get_fully_sharded_module_to_states"):
+        from reference import _wrap_plan
+
+        return getattr(_wrap_plan, name)
+    raise AttributeError(f"module 'reference._wrap_utils' has no attribute {name!r}")
