@@ -1,0 +1,463 @@
+"""The flat parameter: one wrapped module's parameters as a single sharded 1-D tensor.
+
+[Note: flat-parameter vocabulary]
+  original parameters  the ``nn.Parameter`` s of the wrapped module (minus those owned by nested FSDP
+                       modules and ignored modules), visited in ``named_modules()`` order. A
+                       parameter reachable under two names is a *shared* parameter: it is
+                       flattened once, at its first name (the *primary*), and every later name is
+                       recorded in ``_shared_param_infos``.
+  flat (unsharded)     all original parameters flattened and concatenated, length ``N`` (which,
+                       with ``use_orig_params=True``, includes alignment padding, see below).
+  padded unsharded     the flat tensor padded at the end to ``world_size * C`` elements with
+                       ``C = ceil(N / world_size)``: the all-gather output.
+  shard                rank ``r`` owns ``padded[r*C : (r+1)*C]``, i.e. the elements
+                       ``[min(r*C, N), min((r+1)*C, N))`` of the flat tensor followed by
+                       ``_shard_numel_padded`` zeros. A rank whose range is empty holds only
+                       padding ("pure-padding rank").
+  views                each original parameter is ``unsharded[offset : offset+numel].view(shape)``.
+                       With ``use_orig_params=True`` the *sharded* views (the part of each
+                       parameter inside this rank's shard, 1-D) are exposed between unshards.
+
+[Note: alignment padding]  With ``use_orig_params=True`` every original parameter starts at a
+multiple of ``16 bytes / itemsize`` elements; zero padding entries are inserted before a parameter
+that would not, and one more padding entry rounds ``N`` up to a multiple of the world size. These
+entries are listed in ``_numels_with_padding`` with ``_is_padding_mask`` True. Without
+``use_orig_params`` there are no padding entries and the world-size padding is the per-shard
+``_shard_numel_padded`` instead.
+
+The functions at the top are pure arithmetic (no process group) and are what the property tests
+exercise; :class:`FlatParamHandle` applies them to real parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+FLAT_PARAM = "_flat_param"
+_ALIGNMENT_BYTES = 16
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure layout arithmetic
+# --------------------------------------------------------------------------------------------------
+
+
+class ParamInfo(NamedTuple):
+    """Where an original parameter lives: ``module_name`` + "." + ``param_name`` is its FQN
+    relative to the wrapped module."""
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+
+
+class SharedParamInfo(NamedTuple):
+    """A second (or later) name of a parameter already flattened under ``prim_*``."""
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+    prim_param_name: str
+    prim_module: nn.Module
+    prim_module_name: str
+
+
+class _ShardParamInfo(NamedTuple):
+    """The part of one original parameter inside this rank's shard.
+
+    ``flat_param[offset_in_shard : offset_in_shard + numel_in_shard]`` equals
+    ``param.flatten()[intra_param_start_idx : intra_param_end_idx + 1]`` (end index inclusive).
+    All fields but ``in_shard`` are ``None`` when the parameter has no element in the shard.
+    """
+
+    in_shard: bool
+    offset_in_shard: int | None
+    numel_in_shard: int | None
+    intra_param_start_idx: int | None
+    intra_param_end_idx: int | None
+
+
+def aligned_numel(dtype: torch.dtype) -> int:
+    """Element count of the 16-byte address alignment for ``dtype``."""
+    return _ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def flat_layout(
+    numels: Sequence[int], world_size: int, align: int
+) -> tuple[list[int], list[bool]]:
+    """Segments of the flat tensor: ``(numels_with_padding, is_padding_mask)``.
+
+    ``align == 0`` gives exactly ``numels`` (no padding entries). ``align > 0`` inserts a padding
+    entry before each parameter whose start is not a multiple of ``align``, then one that makes the
+    total a multiple of ``world_size``.
+    """
+    segments: list[int] = []
+    mask: list[bool] = []
+    total = 0
+    for numel in numels:
+        if align > 0 and total % align:
+            segments.append(align - total % align)
+            mask.append(True)
+            total += segments[-1]
+        segments.append(numel)
+        mask.append(False)
+        total += numel
+    if align > 0 and total % world_size:
+        segments.append(world_size - total % world_size)
+        mask.append(True)
+    return segments, mask
+
+
+def shard_range(total_numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """``(start, end, numel_padded)`` of rank ``rank`` 's shard of a flat tensor of ``total_numel``.
+
+    The chunk size is ``C = ceil(total_numel / world_size)`` (``torch.chunk`` 's rule); the shard
+    holds flat elements ``[start, end)`` followed by ``numel_padded`` zeros, so every rank's shard
+    has exactly ``C`` elements.
+    """
+    chunk = math.ceil(total_numel / world_size)
+    start = min(rank * chunk, total_numel)
+    end = min((rank + 1) * chunk, total_numel)
+    return start, end, chunk - (end - start)
+
+
+def shard_param_infos(
+    numels_with_padding: Sequence[int],
+    is_padding_mask: Sequence[bool],
+    start: int,
+    end: int,
+) -> tuple[_ShardParamInfo, ...]:
+    """One :class:`_ShardParamInfo` per non-padding segment for the shard ``[start, end)``."""
+    infos = []
+    offset = 0
+    for numel, is_padding in zip(numels_with_padding, is_padding_mask):
+        seg_start, seg_end = offset, offset + numel
+        offset = seg_end
+        if is_padding:
+            continue
+        lo, hi = max(seg_start, start), min(seg_end, end)
+        if lo >= hi:
+            infos.append(_ShardParamInfo(False, None, None, None, None))
+        else:
+            infos.append(
+                _ShardParamInfo(
+                    True, lo - start, hi - lo, lo - seg_start, hi - seg_start - 1
+                )
+            )
+    return tuple(infos)
+
+
+# --------------------------------------------------------------------------------------------------
+# The flat parameter and its handle
+# --------------------------------------------------------------------------------------------------
+
+
+class FlatParameter(nn.Parameter):
+    """The sharded flat parameter (always this rank's shard, shape ``(C,)``; ``(N,)`` for NO_SHARD).
+
+    Metadata attributes (names as upstream's ``FlatParameter``)::
+
+        _num_params: int                          # original (primary) parameters
+        _param_infos: tuple[ParamInfo, ...]
+        _shared_param_infos: tuple[SharedParamInfo, ...]
+        _numels: tuple[int, ...]                  # per original parameter
+        _shapes: tuple[torch.Size, ...]
+        _fqns: tuple[str, ...]                    # relative to the wrapped module
+        _numels_with_padding: tuple[int, ...]     # segments incl. alignment padding entries
+        _is_padding_mask: list[bool]
+        _unpadded_unsharded_size: torch.Size      # (N,)
+        _padded_unsharded_size: torch.Size        # (world_size * C,)
+        _sharded_size: torch.Size                 # (C,)
+        _shard_numel_padded: int                  # zeros at the end of this rank's shard
+        _shard_param_infos: tuple[_ShardParamInfo, ...]
+    """
+
+
+class _UnshardForCompute(torch.autograd.Function):
+    """All-gather in forward, reduce-scatter (averaged) in backward: the FSDP collective pair as one
+    differentiable step, so autograd places the gradient on the sharded flat parameter."""
+
+    @staticmethod
+    def forward(ctx, flat_param: torch.Tensor, handle: FlatParamHandle) -> torch.Tensor:
+        ctx.handle = handle
+        return handle._gather(flat_param.detach(), handle._compute_dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad_padded: torch.Tensor):
+        return ctx.handle._reduce_grad(grad_padded), None
+
+
+class FlatParamHandle:
+    """Owns one :class:`FlatParameter` and switches its module between sharded and unsharded views.
+
+    Attributes::
+
+        flat_param: FlatParameter            # (C,) this rank's shard; (N,) for NO_SHARD
+        _fully_sharded_module: nn.Module     # the module whose parameters were flattened
+        _orig_params: list[nn.Parameter]     # use_orig_params=True: the user's parameter objects,
+                                             # holding 1-D sharded views between unshards
+        _start, _end: int                    # this rank's range of the flat tensor
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        fully_sharded_module: nn.Module,
+        process_group: dist.ProcessGroup,
+        sharded: bool,
+        use_orig_params: bool,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        keep_low_precision_grads: bool = False,
+    ) -> None:
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.uses_sharded_strategy = sharded
+        self._use_orig_params = use_orig_params
+        self._fully_sharded_module = fully_sharded_module
+        self._orig_param_dtype = params[0].dtype
+        self._compute_dtype = param_dtype or self._orig_param_dtype
+        # A param dtype without a reduce dtype reduces in the param dtype (upstream's rule).
+        self._reduce_dtype = reduce_dtype or self._compute_dtype
+        self._keep_low_precision_grads = keep_low_precision_grads
+        self._init_flat_param(params, fully_sharded_module)
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _init_flat_param(
+        self, params: Sequence[nn.Parameter], module: nn.Module
+    ) -> None:
+        managed = {id(p) for p in params}
+        infos, shared, ordered, memo = [], [], [], {}
+        for module_name, sub in module.named_modules(remove_duplicate=False):
+            for name, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+                if id(p) not in managed:
+                    continue
+                if id(p) in memo:
+                    shared.append(SharedParamInfo(name, sub, module_name, *memo[id(p)]))
+                    continue
+                memo[id(p)] = (name, sub, module_name)
+                infos.append(ParamInfo(name, sub, module_name))
+                ordered.append(p)
+        for info, p in zip(infos, ordered):
+            if p.dim() == 0:
+                raise ValueError(
+                    f"FSDP cannot flatten the scalar (0-dim) parameter {_fqn(info)}; "
+                    "give it shape (1,) or put its module in ignored_modules"
+                )
+        align = aligned_numel(self._compute_dtype) if self._use_orig_params else 0
+        numels = [p.numel() for p in ordered]
+        segments, mask = flat_layout(numels, self.world_size, align)
+        device, dtype = ordered[0].device, ordered[0].dtype
+        pieces, it = [], iter(ordered)
+        for seg, is_padding in zip(segments, mask):
+            pieces.append(
+                torch.zeros(seg, dtype=dtype, device=device) if is_padding else None
+            )
+            if not is_padding:
+                pieces[-1] = next(it).detach().reshape(-1)
+        flat = (
+            torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+        )
+        total = flat.numel()
+        if self.uses_sharded_strategy:
+            start, end, pad = shard_range(total, self.rank, self.world_size)
+            shard = torch.cat([flat[start:end], flat.new_zeros(pad)])
+        else:
+            start, end, pad, shard = 0, total, 0, flat.clone()
+        self._start, self._end = start, end
+        fp = FlatParameter(shard, requires_grad=any(p.requires_grad for p in ordered))
+        fp._num_params = len(ordered)
+        fp._param_infos = tuple(infos)
+        fp._shared_param_infos = tuple(shared)
+        fp._numels = tuple(numels)
+        fp._shapes = tuple(p.shape for p in ordered)
+        fp._fqns = tuple(_fqn(i) for i in infos)
+        fp._numels_with_padding = tuple(segments)
+        fp._is_padding_mask = mask
+        fp._unpadded_unsharded_size = torch.Size([total])
+        fp._padded_unsharded_size = torch.Size([shard.numel() * self._gather_factor()])
+        fp._sharded_size = shard.size()
+        fp._shard_numel_padded = pad
+        fp._shard_param_infos = shard_param_infos(segments, mask, start, end)
+        self.flat_param = fp
+        self._orig_params = list(ordered) if self._use_orig_params else []
+        if self._use_orig_params:
+            self._use_sharded_views()
+            fp.register_post_accumulate_grad_hook(
+                lambda _: self._use_sharded_grad_views()
+            )
+        else:
+            self._delete_views()
+
+    def _gather_factor(self) -> int:
+        return self.world_size if self.uses_sharded_strategy else 1
+
+    # -- collectives ------------------------------------------------------------------------------
+
+    def _gather(
+        self, shard: torch.Tensor, dtype: torch.dtype, copy: bool = False
+    ) -> torch.Tensor:
+        """Padded unsharded flat tensor in ``dtype`` (a fresh tensor; for NO_SHARD without a cast
+        and ``copy=False`` it is the flat parameter's own storage)."""
+        local = shard.to(dtype)
+        if not self.uses_sharded_strategy:
+            return local.clone() if copy and local is shard else local
+        out = local.new_empty(local.numel() * self.world_size)
+        dist.all_gather_single(out, local.contiguous(), group=self.process_group)
+        return out
+
+    def _reduce_grad(self, grad_padded: torch.Tensor) -> torch.Tensor:
+        """Sum the unsharded gradient over ranks in the reduce dtype, keep this rank's part and
+        divide by the world size."""
+        grad = grad_padded.to(self._reduce_dtype).contiguous()
+        if self.uses_sharded_strategy:
+            out = grad.new_empty(grad.numel() // self.world_size)
+            dist.reduce_scatter_single(out, grad, group=self.process_group)
+        else:
+            out = grad.clone() if grad is grad_padded else grad
+            dist.all_reduce(out, group=self.process_group)
+        out.div_(self.world_size)
+        return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
+
+    def unshard_for_compute(self) -> torch.Tensor:
+        """Padded unsharded flat tensor in the compute dtype, differentiable w.r.t. the shard."""
+        return _UnshardForCompute.apply(self.flat_param, self)
+
+    @torch.no_grad()
+    def unshard_full_precision(self) -> torch.Tensor:
+        """Padded unsharded flat tensor in the parameter dtype (for summon/state dict). For
+        NO_SHARD it *is* the flat parameter's storage, so writes land directly."""
+        return self._gather(self.flat_param.detach(), self.flat_param.dtype)
+
+    @torch.no_grad()
+    def writeback(self, padded: torch.Tensor) -> None:
+        """Copy this rank's range of an unsharded flat tensor back into the shard."""
+        if not self.uses_sharded_strategy:
+            if padded.data_ptr() != self.flat_param.data_ptr():
+                self.flat_param.data.copy_(padded[: self.flat_param.numel()])
+            return
+        n = self._end - self._start
+        self.flat_param.data[:n].copy_(padded[self._start : self._end])
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def unflatten(self, padded: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the original parameters (original shapes) into an unsharded flat tensor."""
+        fp = self.flat_param
+        n = fp._unpadded_unsharded_size.numel()
+        pieces = torch.split(padded[:n], list(fp._numels_with_padding))
+        views = [t for t, pad in zip(pieces, fp._is_padding_mask) if not pad]
+        return [v.view(shape) for v, shape in zip(views, fp._shapes)]
+
+    def _all_names(self):
+        """``(module, module_name, name, index)`` for every name of every original parameter,
+        primaries first, then shared aliases (``index`` is the primary's)."""
+        fp = self.flat_param
+        for i, info in enumerate(fp._param_infos):
+            yield info.module, info.module_name, info.param_name, i
+        primary = {
+            (id(i.module), i.param_name): k for k, i in enumerate(fp._param_infos)
+        }
+        for s in fp._shared_param_infos:
+            index = primary[(id(s.prim_module), s.prim_param_name)]
+            yield s.module, s.module_name, s.param_name, index
+
+    def use_unsharded_views(self, padded: torch.Tensor, as_params: bool) -> None:
+        """Point every original name at its full-shape view into ``padded``.
+
+        ``as_params=True`` (summon/state dict): names are ``nn.Parameter`` s, visible to
+        ``named_parameters()``/``state_dict()``; with ``use_orig_params`` they are the user's own
+        parameter objects with swapped ``.data``. ``as_params=False`` (forward): plain tensors that
+        stay connected to the autograd graph of :meth:`unshard_for_compute`.
+        """
+        views = self.unflatten(padded)
+        made: dict[int, nn.Parameter] = {}
+        for module, _, name, i in self._all_names():
+            if as_params and self._use_orig_params:
+                self._orig_params[i].data = views[i]
+                _set_param(module, name, self._orig_params[i])
+            elif as_params:
+                if i not in made:
+                    made[i] = nn.Parameter(
+                        views[i], requires_grad=self.flat_param.requires_grad
+                    )
+                _set_param(module, name, made[i])
+            else:
+                _set_tensor(module, name, views[i])
+
+    def _use_sharded_views(self) -> None:
+        """use_orig_params=True: each user parameter holds its 1-D part of the shard (0 elements
+        when none of it is on this rank)."""
+        fp = self.flat_param
+        if (
+            not self.uses_sharded_strategy
+        ):  # NO_SHARD: the "shard" is whole; keep full shapes
+            self.use_unsharded_views(fp.data, as_params=True)
+            return
+        for module, _, name, i in self._all_names():
+            info = fp._shard_param_infos[i]
+            p = self._orig_params[i]
+            if info.in_shard:
+                p.data = fp.data[
+                    info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+                ]
+            else:
+                p.data = fp.data.new_empty(0)
+            _set_param(module, name, p)
+
+    def _use_sharded_grad_views(self) -> None:
+        grad = self.flat_param.grad
+        if not self.uses_sharded_strategy and grad is not None:
+            for p, g in zip(self._orig_params, self.unflatten(grad)):
+                p.grad = g if g.dtype == p.dtype else None
+            return
+        for i, p in enumerate(self._orig_params):
+            info = self.flat_param._shard_param_infos[i]
+            if grad is None or not info.in_shard or grad.dtype != p.dtype:
+                p.grad = None
+            else:
+                p.grad = grad[
+                    info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+                ]
+
+    def _delete_views(self) -> None:
+        for module, _, name, _ in self._all_names():
+            module._parameters.pop(name, None)
+            module.__dict__.pop(name, None)
+
+    def reshard(self) -> None:
+        """Back to the sharded state: views removed (or, with use_orig_params, sharded views)."""
+        if self._use_orig_params:
+            self._use_sharded_views()
+        else:
+            self._delete_views()
+
+    def prepare_orig_grads_for_forward(self) -> None:
+        """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
+        the flat gradient they were views of is dropped too."""
+        if self._use_orig_params and all(p.grad is None for p in self._orig_params):
+            self.flat_param.grad = None
+
+
+def _fqn(info: ParamInfo) -> str:
+    return (
+        f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+    )
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    module.__dict__.pop(name, None)
+    module._parameters[name] = param
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module._parameters.pop(name, None)
+    module.__dict__[name] = tensor

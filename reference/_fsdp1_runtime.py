@@ -1,0 +1,210 @@
+"""FSDP1 runtime: lazy init, forward, and the unshard context used by summon and the state dicts.
+
+[Note: training states]
+  ``IDLE``               parameters sharded; the only state in which summon/state-dict may start.
+  ``FORWARD_BACKWARD``   inside ``forward`` of this module (its views point at the gathered tensor).
+  ``SUMMON_FULL_PARAMS`` inside :func:`_unshard_fsdp_state_params`: every original name is an
+                         ``nn.Parameter`` with its full shape, a view into the gathered flat tensor.
+
+[Note: what the reference leaves out of the runtime]  Upstream frees the gathered parameters after
+forward (FULL_SHARD) and gathers them again before backward, prefetches, and runs collectives on
+side streams. Here the gathered tensor is an autograd value: it stays alive until backward, where
+the reduce-scatter runs as its gradient. Values, dtypes and the gradient on the flat parameter
+are the same; only peak memory differs (SHARD_GRAD_OP's profile for every strategy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from reference._flat_param import FLAT_PARAM
+
+if TYPE_CHECKING:
+    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+
+
+class TrainingState(Enum):
+    """See [Note: training states]."""
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+def _lazy_init(state: FullyShardedDataParallel) -> None:
+    """First use of an FSDP tree (forward, state dict, load, summon) from ``state``.
+
+    Casts each FSDP module's own buffers to its ``buffer_dtype`` (ignored buffers never), once.
+    The original buffer dtypes were recorded at construction and are what state dicts save.
+    """
+    from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if state._lazy_init_done:
+        return
+    for fsdp in FSDP.fsdp_modules(state):
+        if fsdp._lazy_init_done:
+            continue
+        fsdp._lazy_init_done = True
+        dtype = fsdp.mixed_precision.buffer_dtype if fsdp.mixed_precision else None
+        if dtype is None:
+            continue
+        for _, owner, name in fsdp._owned_buffers:
+            buf = owner._buffers[name]
+            if buf is not None and buf.is_floating_point():
+                owner._buffers[name] = buf.to(dtype)
+
+
+def _cast_forward_inputs(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Floating-point tensors among the inputs cast to ``dtype``; everything else untouched."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) else t
+
+    return tree_map_only(torch.Tensor, cast, args), tree_map_only(
+        torch.Tensor, cast, kwargs
+    )
+
+
+def _forward(state: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> Any:
+    """Gather this module's flat parameter, run the wrapped module on its views, reshard.
+
+    The root lazily initialises the tree and casts inputs when ``cast_root_forward_inputs``; a
+    non-root casts them when ``cast_forward_inputs``.
+    """
+    _lazy_init(state)
+    mp = state.mixed_precision
+    if mp is not None and mp.param_dtype is not None:
+        cast = mp.cast_root_forward_inputs if state._is_root else mp.cast_forward_inputs
+        if cast:
+            args, kwargs = _cast_forward_inputs(mp.param_dtype, args, kwargs)
+    handle = state._handle
+    if handle is None:
+        return state._fsdp_wrapped_module(*args, **kwargs)
+    if state.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"FSDP forward called in state {state.training_state.name}; forward is only allowed "
+            "when no summon_full_params / state_dict unshard is active on this module"
+        )
+    handle.prepare_orig_grads_for_forward()
+    padded = handle.unshard_for_compute()
+    handle.use_unsharded_views(padded, as_params=False)
+    state.training_state = TrainingState.FORWARD_BACKWARD
+    try:
+        return state._fsdp_wrapped_module(*args, **kwargs)
+    finally:
+        handle.reshard()
+        state.training_state = TrainingState.IDLE
+
+
+def _validate_unshard_params_args(
+    state: FullyShardedDataParallel,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> None:
+    """Argument combinations upstream rejects (same exception types and texts)."""
+    if with_grads:
+        raise NotImplementedError(
+            f"with_grads={with_grads}, use_orig_params={state._use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} is not supported yet"
+        )
+    if offload_to_cpu and state._handle and not state._handle.uses_sharded_strategy:
+        raise NotImplementedError(
+            "offload_to_cpu=True and NO_SHARD is not supported yet"
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError(
+            "writeback=True and rank0_only=True is not supported yet"
+        )
+
+
+def _hide_flat_param(state: FullyShardedDataParallel) -> None:
+    state._fsdp_wrapped_module._parameters.pop(FLAT_PARAM, None)
+
+
+def _show_flat_param(state: FullyShardedDataParallel) -> None:
+    if state._handle is not None and not state._use_orig_params:
+        state._fsdp_wrapped_module._parameters[FLAT_PARAM] = state._handle.flat_param
+
+
+@contextlib.contextmanager
+def _unshard_fsdp_state_params(
+    state: FullyShardedDataParallel,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+) -> Iterator[None]:
+    """Expose ``state`` 's own original parameters unsharded (not its nested FSDP modules').
+
+    Every rank takes part in the all-gather. With ``rank0_only`` the other ranks drop the result
+    at once and keep their sharded layout. With ``offload_to_cpu`` the exposed views live in a CPU
+    copy (a no-op on a CPU compute device: the gathered tensor is already there). On exit,
+    ``writeback`` copies this rank's range of the (possibly modified) full tensor into the shard.
+    """
+    handle = state._handle
+    if handle is None:
+        yield
+        return
+    if state.training_state != TrainingState.IDLE:
+        raise RuntimeError(
+            f"Cannot unshard parameters of an FSDP module in state {state.training_state.name}; "
+            "summon_full_params/state_dict must not be nested or run inside forward"
+        )
+    padded = handle.unshard_full_precision()
+    if rank0_only and handle.rank != 0:
+        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+        try:
+            yield
+        finally:
+            state.training_state = TrainingState.IDLE
+        return
+    if offload_to_cpu:
+        padded = padded.cpu()
+    _hide_flat_param(state)
+    handle.use_unsharded_views(padded, as_params=True)
+    state.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        yield
+    finally:
+        if writeback:
+            handle.writeback(padded)
+        handle.reshard()
+        _show_flat_param(state)
+        state.training_state = TrainingState.IDLE
+
+
+@contextlib.contextmanager
+def _unshard_params(
+    module: torch.nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``)."""
+    from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+
+    if recurse:
+        states = FSDP.fsdp_modules(module)
+    else:
+        states = [module] if isinstance(module, FSDP) else []
+    for state in states:
+        _validate_unshard_params_args(
+            state, writeback, rank0_only, offload_to_cpu, with_grads
+        )
+    for state in states:
+        _lazy_init(state)
+    with contextlib.ExitStack() as stack:
+        for state in states:
+            stack.enter_context(
+                _unshard_fsdp_state_params(state, writeback, rank0_only, offload_to_cpu)
+            )
+        yield

@@ -1,0 +1,434 @@
+"""``FullyShardedDataParallel``: the flat-parameter FSDP wrapper (FSDP1), reduced to its contract.
+
+[Note: the FSDP1 module tree]
+  ``FSDP(module)`` becomes the parent of ``module`` under the child name ``_fsdp_wrapped_module``.
+  The parameters of ``module`` that are not owned by a nested FSDP module or by an ignored module
+  are *managed*: they are flattened into one :class:`~reference._flat_param.FlatParameter`
+  registered as ``_fsdp_wrapped_module._flat_param`` (``use_orig_params=False``; the original
+  names disappear from the module until an unshard) or kept as 1-D sharded views under their own
+  names (``use_orig_params=True``). ``FSDP(Sequential(FSDP(lin1), lin2))`` therefore has the two
+  flat parameters ``_fsdp_wrapped_module._flat_param`` (lin2) and
+  ``_fsdp_wrapped_module.0._fsdp_wrapped_module._flat_param`` (lin1).
+
+  *Root*: an FSDP module with no FSDP ancestor. Wrapping marks every FSDP module inside as
+  non-root. The root lazily initialises the tree on first use (see ``_fsdp1_runtime``).
+
+  *Owned buffers*: buffers of the wrapped module outside nested FSDP modules and ignored modules;
+  buffer mixed precision applies to them and state dicts restore their original dtype.
+
+Behaviour kept from upstream (torch 2.13): a process group of size 1 runs NO_SHARD with a warning;
+NO_SHARD on more ranks warns that it is deprecated; state dicts turn into FULL under NO_SHARD (see
+``_state_dict_utils``). Left out: CPU offload of parameters, HYBRID_SHARD, ``sync_module_states``,
+``param_init_fn``, prefetching, optimizer-state APIs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference._flat_param import FlatParameter, FlatParamHandle
+from reference._fsdp1_runtime import TrainingState, _forward, _unshard_params
+from reference._state_dict_utils import _register_all_state_dict_hooks
+from reference.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+__all__ = ["FullyShardedDataParallel"]
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+_CONFIG_TYPES = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (
+        ShardedStateDictConfig,
+        ShardedOptimStateDictConfig,
+    ),
+}
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module`` 's managed parameters over ``process_group`` as one flat parameter.
+
+    Attributes::
+
+        _fsdp_wrapped_module: nn.Module
+        _handle: FlatParamHandle | None          # None when no parameter is managed
+        process_group: dist.ProcessGroup
+        rank, world_size: int
+        sharding_strategy: ShardingStrategy      # after the world-size-1 clamp
+        mixed_precision: MixedPrecision | None
+        compute_device: torch.device
+        _use_orig_params: bool
+        _is_root: bool
+        _ignored_modules: set[nn.Module]         # every module under an ignored module
+        _owned_buffers: list[tuple[str, nn.Module, str]]  # (clean fqn, owner module, name)
+        _buffer_name_to_orig_dtype: dict[str, torch.dtype]
+        _state_dict_type: StateDictType
+        _state_dict_config: StateDictConfig
+        training_state: TrainingState
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Any = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Module] | None = None,
+        device_mesh: Any = None,
+    ) -> None:
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "FSDP was given a module that is already a FullyShardedDataParallel; wrap the "
+                "inner module once (or wrap a parent module instead)"
+            )
+        if cpu_offload is not None and cpu_offload.offload_params:
+            raise NotImplementedError(
+                "The reference FSDP does not implement CPUOffload"
+            )
+        if param_init_fn is not None or sync_module_states:
+            raise NotImplementedError(
+                "The reference FSDP does not implement param_init_fn / sync_module_states"
+            )
+        if ignored_modules is not None and ignored_states is not None:
+            raise ValueError("Cannot pass both ignored_modules and ignored_states")
+        super().__init__()
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise NotImplementedError(
+                    "The reference FSDP supports 1-D device meshes only"
+                )
+            process_group = device_mesh.get_group()
+        self.process_group = process_group or dist.distributed_c10d._get_default_group()
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.sharding_strategy = _clamp_strategy(sharding_strategy, self.world_size)
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self._use_orig_params = use_orig_params
+        self._device_mesh = device_mesh
+        self._is_root = True
+        self._lazy_init_done = False
+        self.training_state = TrainingState.IDLE
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: StateDictConfig = FullStateDictConfig()
+        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        ignored = list(
+            ignored_states if ignored_states is not None else ignored_modules or []
+        )
+        self._ignored_modules = {m for top in ignored for m in top.modules()}
+
+        if auto_wrap_policy is not None:
+            from reference._wrap_utils import _auto_wrap
+
+            root_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+                ignored_states=ignored_states,
+                device_mesh=device_mesh,
+            )
+            ignored_params = {p for m in self._ignored_modules for p in m.parameters()}
+            _auto_wrap(
+                module,
+                auto_wrap_policy,
+                self._ignored_modules,
+                ignored_params,
+                root_kwargs,
+                FullyShardedDataParallel,
+            )
+
+        params, self._owned_buffers = _managed_tensors(module, self._ignored_modules)
+        self.compute_device = _compute_device(device_id, params, module)
+        for p in params:
+            if p.device != self.compute_device:
+                p.data = p.data.to(self.compute_device)
+        for _, owner, name in self._owned_buffers:
+            owner._buffers[name] = owner._buffers[name].to(self.compute_device)
+        self._buffer_name_to_orig_dtype = {
+            fqn: owner._buffers[name].dtype for fqn, owner, name in self._owned_buffers
+        }
+        self._ignored_buffer_names = {
+            _clean(f"{mod_name}.{b}" if mod_name else b)
+            for mod_name, m in module.named_modules()
+            if m in self._ignored_modules
+            for b, _ in m.named_buffers(recurse=False)
+        }
+        self._handle: FlatParamHandle | None = None
+        if params:
+            mp = mixed_precision or MixedPrecision()
+            self._handle = FlatParamHandle(
+                params,
+                module,
+                self.process_group,
+                sharded=self.sharding_strategy != ShardingStrategy.NO_SHARD,
+                use_orig_params=use_orig_params,
+                param_dtype=mp.param_dtype,
+                reduce_dtype=mp.reduce_dtype,
+                keep_low_precision_grads=mp.keep_low_precision_grads,
+            )
+            if not use_orig_params:
+                module._parameters["_flat_param"] = self._handle.flat_param
+        for sub in module.modules():
+            if isinstance(sub, FullyShardedDataParallel):
+                sub._is_root = False
+        self._fsdp_wrapped_module = module
+        _register_all_state_dict_hooks(self)
+
+    # -- nn.Module plumbing -----------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._modules[FSDP_WRAPPED_MODULE]
+
+    @property
+    def _flat_param(self) -> FlatParameter | None:
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes not found on the wrapper come from the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[FSDP_WRAPPED_MODULE], name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._modules[FSDP_WRAPPED_MODULE].__getitem__(key)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _forward(self, *args, **kwargs)
+
+    # -- traversal --------------------------------------------------------------------------------
+
+    @staticmethod
+    def fsdp_modules(
+        module: nn.Module, root_only: bool = False
+    ) -> list[FullyShardedDataParallel]:
+        """Every FSDP module in ``module`` 's tree (``modules()`` order), or only the roots."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        return [m for m in found if m._is_root] if root_only else found
+
+    # -- unshard ----------------------------------------------------------------------------------
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Expose full, unflattened parameters of every FSDP module in the tree (all ranks must
+        enter). Changes made inside persist on exit when ``writeback`` (each rank keeps its own
+        range). ``with_grads`` is not implemented by the reference."""
+        with _unshard_params(
+            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
+        ):
+            yield
+
+    # -- state-dict type --------------------------------------------------------------------------
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type (and config) of every FSDP module under ``module``; return the
+        previous settings. A config of the wrong class raises ``RuntimeError`` before any change.
+        """
+        warnings.warn(
+            "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated upstream in "
+            "favour of torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        config_cls, optim_cls = _CONFIG_TYPES[state_dict_type]
+        state_dict_config = (
+            state_dict_config if state_dict_config is not None else config_cls()
+        )
+        if optim_state_dict_config is None:
+            optim_state_dict_config = optim_cls()
+        if type(state_dict_config) is not config_cls:
+            raise RuntimeError(
+                f"Expected state_dict_config of type {config_cls} "
+                f"but got {type(state_dict_config)}"
+            )
+        if type(optim_state_dict_config) is not optim_cls:
+            raise RuntimeError(
+                f"Expected optim_state_dict_config of type {optim_cls} "
+                f"but got {type(optim_state_dict_config)}"
+            )
+        modules = FullyShardedDataParallel.fsdp_modules(module)
+        if len({m._state_dict_type for m in modules}) > 1:
+            raise AssertionError(
+                "All FSDP modules should have the same state_dict_type."
+            )
+        prev = (
+            StateDictSettings(
+                modules[0]._state_dict_type,
+                modules[0]._state_dict_config,
+                modules[0]._optim_state_dict_config,
+            )
+            if modules
+            else None
+        )
+        for m in modules:
+            m._state_dict_type = state_dict_type
+            m._state_dict_config = state_dict_config
+            m._optim_state_dict_config = optim_state_dict_config
+        return prev
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The (common) state-dict settings of the FSDP modules under ``module``."""
+        modules = FullyShardedDataParallel.fsdp_modules(module)
+        if not modules:
+            raise ValueError("No FSDP modules found in the given module")
+        first = modules[0]
+        return StateDictSettings(
+            first._state_dict_type,
+            first._state_dict_config,
+            first._optim_state_dict_config,
+        )
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """Use ``state_dict_type`` inside the block; the previous settings come back on exit."""
+        prev = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            if prev is not None:
+                FullyShardedDataParallel.set_state_dict_type(
+                    module,
+                    prev.state_dict_type,
+                    prev.state_dict_config,
+                    prev.optim_state_dict_config,
+                )
+
+
+def _clean(name: str) -> str:
+    """A tensor name without wrapper prefixes (FSDP's and activation checkpointing's)."""
+    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(
+        "_checkpoint_wrapped_module.", ""
+    )
+
+
+def _clamp_strategy(
+    strategy: ShardingStrategy | None, world_size: int
+) -> ShardingStrategy:
+    if strategy in (
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    ):
+        raise NotImplementedError(f"The reference FSDP does not implement {strategy}")
+    if world_size == 1:
+        if strategy != ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                "FSDP is switching to use `NO_SHARD` instead of "
+                f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1.",
+                stacklevel=3,
+            )
+        return ShardingStrategy.NO_SHARD
+    if strategy == ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
+            "please use `DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return strategy or ShardingStrategy.FULL_SHARD
+
+
+def _managed_tensors(
+    module: nn.Module, ignored: set[nn.Module]
+) -> tuple[list[nn.Parameter], list[tuple[str, nn.Module, str]]]:
+    """Managed parameters (unique, first-visit order) and owned buffers of ``module``: everything
+    outside nested FSDP modules and ignored modules."""
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    buffers: list[tuple[str, nn.Module, str]] = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if mod in ignored or isinstance(mod, FullyShardedDataParallel):
+            return
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen and not isinstance(p, FlatParameter):
+                seen.add(id(p))
+                params.append(p)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                buffers.append((_clean(prefix + name), mod, name))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return params, buffers
+
+
+def _compute_device(
+    device_id: Any, params: list[nn.Parameter], module: nn.Module
+) -> torch.device:
+    if device_id is not None:
+        device = torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    tensors = params + list(module.buffers())
+    return tensors[0].device if tensors else torch.device("cpu")
