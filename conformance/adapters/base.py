@@ -1,0 +1,128 @@
+"""The adapter interface every implementation under test provides.
+
+A vendor writes one subclass of :class:`Implementation` (or reuses :class:`FullyShardAdapter` /
+:class:`FlatParamAdapter` when its fork keeps upstream's API) and points the harness at it with
+``--impl package.module:attr``. See the README, "Writing an adapter".
+
+[Note: capabilities]
+An implementation *declares* what it supports as a set of capability names (the constants below).
+A check that needs a capability the implementation does not declare is reported NotSupported with
+the capability's name: never failed, never passed. Declaring a capability you do not implement
+turns those checks red, which is the point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+# ---------------------------------------------------------------------------------- capabilities
+PER_PARAM_DIM0 = "per-param-dim0"  # each parameter sharded on dim 0 (FSDP2 layout)
+FLAT_PARAM = "flat-param"  # parameters of a wrapped module flattened into one padded 1-D buffer
+PADDED_STORAGE = "padded-storage"  # the padded local buffer can be inspected (padding must be zero)
+DTENSOR_PARAMS = "dtensor-params"  # sharded parameters are registered as DTensors
+SHARD_PLACEMENT_FN = "shard-placement-fn"  # Shard(d) for d != 0 via shard_placement_fn
+RESHARD_AFTER_FORWARD = "reshard-after-forward"  # bool / int reshard_after_forward
+MIXED_PRECISION = "mixed-precision"
+CPU_OFFLOAD = "cpu-offload"
+HSDP = "hsdp"  # 2-D (replicate x shard) mesh
+EXTENSIONS = "all-gather-extensions"  # fsdp_pre_all_gather / fsdp_post_all_gather
+TENSOR_PARALLEL = "tensor-parallel"  # DTensor (TP) parameters composed with FSDP
+FULL_STATE_DICT = "full-state-dict"
+SHARDED_STATE_DICT = "sharded-state-dict"
+LOCAL_STATE_DICT = "local-state-dict"
+DTENSOR_STATE_DICT = "dtensor-state-dict"  # state_dict() values are the sharded DTensors
+AUTO_WRAP = "auto-wrap"  # applies a wrap plan (reference.wrap policies)
+TRAINING = "training"  # forward/backward/optimizer steps
+
+ALL_CAPABILITIES = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
+
+
+class NotSupported(Exception):
+    """Raised (by a check or an adapter) when a needed capability is not declared/implemented."""
+
+
+@dataclass
+class ShardView:
+    """One original parameter as seen on one rank after sharding.
+
+    ``local`` is the rank's *unpadded* piece in the layout's natural form:
+    * per-parameter dim-0 layout: a tensor of shape ``(rows, *global_shape[1:])`` holding rows
+      ``offset .. offset+rows`` of the original;
+    * flat-parameter layout: a 1-D tensor holding elements ``offset .. offset+numel`` of the
+      original parameter flattened.
+    ``padded`` is the rank's padded local storage (1-D) when the implementation exposes it.
+    """
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    local: torch.Tensor
+    offset: int
+    padded: torch.Tensor | None = None
+
+
+class Implementation:
+    """Base class of implementation adapters. Subclasses set the class attributes and override the
+    operations they support; an operation they do not support raises :class:`NotSupported`."""
+
+    name: ClassVar[str] = "unnamed"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    description: ClassVar[str] = ""
+
+    @property
+    def version(self) -> str:
+        return "unknown"
+
+    # -- applying sharding -------------------------------------------------------------------
+    def shard(self, module: nn.Module, ctx, *, plan=None, **options) -> nn.Module:
+        """Shard ``module`` over all ranks of ``ctx`` and return the module to run.
+
+        ``plan`` is a :class:`reference.wrap.WrapPlan`-like value: an ordered list of
+        ``(module_fqn, kwargs)``, children first; ``None`` means shard the root as one unit.
+        ``options`` are harness-neutral: ``reshard_after_forward``, ``mixed_precision``
+        (``dict(param_dtype=, reduce_dtype=, buffer_dtype=)``), ``cpu_offload`` (bool),
+        ``shard_placement_fn``, ``mesh``, ``use_orig_params``.
+        Unknown options must raise :class:`NotSupported`.
+        """
+        raise NotSupported("shard")
+
+    # -- observing layout --------------------------------------------------------------------
+    def local_shards(self, module: nn.Module) -> dict[str, ShardView]:
+        """This rank's view of every original parameter, keyed by clean FQN (no wrapper prefixes)."""
+        raise NotSupported("local_shards")
+
+    def flat_shards(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+        """Flat-parameter layouts only: for each flat parameter, the FQNs flattened into it (in
+        order) and this rank's padded 1-D shard."""
+        raise NotSupported("flat_shards")
+
+    # -- state dict ----------------------------------------------------------------------------
+    def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
+        """``kind`` in {"full", "sharded", "local"}; config e.g. ``rank0_only``, ``offload_to_cpu``."""
+        raise NotSupported(f"{kind} state dict")
+
+    def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", **config):
+        raise NotSupported(f"load {kind} state dict")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.version}>"
+
+
+def plan_entries(plan) -> list[tuple[str, dict]]:
+    """``(module_fqn, kwargs)`` pairs of a wrap plan, children first; ``None`` = the root alone."""
+    if plan is None:
+        return [("", {})]
+    return [(fqn, dict(kwargs)) for fqn, kwargs in getattr(plan, "entries", plan)]
+
+
+def clean_fqn(name: str) -> str:
+    """Drop wrapper prefixes (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``) from a name."""
+    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    for suffix in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)].rstrip(".")
+    return name

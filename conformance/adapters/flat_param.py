@@ -1,0 +1,114 @@
+"""Adapter for FSDP1-style implementations: ``FullyShardedDataParallel`` with flat parameters.
+
+Serves upstream torch (``torch.distributed.fsdp``), the reference's FSDP1 path (``reference``) and
+forks that keep upstream's names. It reads the flat parameter through upstream's attribute contract:
+``fsdp_module._handle.flat_param`` with ``_fqns``, ``_shapes``, ``_numels`` and ``_shard_param_infos``
+(per original parameter: in_shard, offset_in_shard, numel_in_shard, intra_param_start_idx,
+intra_param_end_idx).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.adapters.base import Implementation, NotSupported, ShardView, clean_fqn, plan_entries
+
+_KNOWN_OPTIONS = {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules"}
+_KIND = {"full": "FULL_STATE_DICT", "sharded": "SHARDED_STATE_DICT", "local": "LOCAL_STATE_DICT"}
+_CONFIG = {"full": "FullStateDictConfig", "sharded": "ShardedStateDictConfig",
+           "local": "LocalStateDictConfig"}
+
+
+class FlatParamAdapter(Implementation):
+    capabilities: ClassVar[frozenset[str]] = frozenset({
+        base.FLAT_PARAM, base.PADDED_STORAGE, base.MIXED_PRECISION, base.FULL_STATE_DICT,
+        base.SHARDED_STATE_DICT, base.LOCAL_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
+    })
+
+    def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,
+                 version: str | None = None):
+        self.namespace = namespace
+        self.ns = importlib.import_module(namespace)
+        self.FSDP = self.ns.FullyShardedDataParallel
+        if name is not None:
+            self.name = name
+        self._version = version
+
+    @property
+    def version(self) -> str:
+        return self._version or f"torch {torch.__version__}"
+
+    # -------------------------------------------------------------------------------- sharding
+    def shard(self, module: nn.Module, ctx, *, plan=None, **options) -> nn.Module:
+        unknown = set(options) - _KNOWN_OPTIONS
+        if unknown:
+            raise NotSupported(f"option(s) {sorted(unknown)}")
+        if options.get("cpu_offload"):
+            raise NotSupported("cpu_offload (FSDP1 CPUOffload needs an accelerator)")
+        kwargs = {"use_orig_params": bool(options.get("use_orig_params", False))}
+        if ctx.device.type == "cpu":
+            kwargs["device_id"] = torch.device("cpu")
+        if options.get("mixed_precision"):
+            kwargs["mixed_precision"] = self.ns.MixedPrecision(**options["mixed_precision"])
+        if options.get("ignored_modules"):
+            kwargs["ignored_modules"] = options["ignored_modules"]
+        entries = plan_entries(plan)
+        root_extra = dict(entries[-1][1]) if entries[-1][0] == "" else {}
+        children = {module.get_submodule(fqn): extra for fqn, extra in entries if fqn != ""}
+        if children:
+            kwargs["auto_wrap_policy"] = self.ns.wrap.CustomPolicy(
+                lambda m: children.get(m, {}) or (m in children))
+        return self.FSDP(module, **{**kwargs, **root_extra})
+
+    # -------------------------------------------------------------------------------- layout
+    def _flat_params(self, module: nn.Module):
+        """(clean FQN prefix of the wrapped module, flat_param) for every FSDP instance."""
+        out = []
+        for name, sub in module.named_modules():
+            if isinstance(sub, self.FSDP):
+                handle = getattr(sub, "_handle", None)
+                if handle is not None:
+                    out.append((clean_fqn(name), handle.flat_param))
+        return out
+
+    def flat_shards(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+        return [([_join(prefix, f) for f in flat._fqns], flat.detach())
+                for prefix, flat in self._flat_params(module)]
+
+    def local_shards(self, module: nn.Module) -> dict[str, ShardView]:
+        views = {}
+        for prefix, flat in self._flat_params(module):
+            for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+                full = _join(prefix, fqn)
+                if info.in_shard:
+                    local = flat.detach()[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
+                    offset = info.intra_param_start_idx
+                else:
+                    local, offset = flat.detach()[:0], 0
+                views[full] = ShardView(full, tuple(shape), local, offset, flat.detach())
+        return views
+
+    # -------------------------------------------------------------------------------- state dict
+    def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
+        if kind not in _KIND:
+            raise NotSupported(f"{kind} state dict")
+        cfg = getattr(self.ns, _CONFIG[kind])(**config)
+        with self.FSDP.state_dict_type(module, getattr(self.ns.StateDictType, _KIND[kind]), cfg):
+            return module.state_dict()
+
+    def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", *,
+                        strict: bool = True, **config):
+        if kind not in _KIND:
+            raise NotSupported(f"load {kind} state dict")
+        cfg = getattr(self.ns, _CONFIG[kind])(**config)
+        with self.FSDP.state_dict_type(module, getattr(self.ns.StateDictType, _KIND[kind]), cfg):
+            return module.load_state_dict(state_dict, strict=strict)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,107 @@
+"""Adapter for FSDP2-style implementations: anything exposing upstream's ``fully_shard`` API.
+
+One class serves upstream torch (``torch.distributed.fsdp``), the reference (``reference``) and any
+fork that keeps the same public names: point ``namespace`` at the module that exports
+``fully_shard``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.adapters.base import Implementation, NotSupported, ShardView, plan_entries
+
+_KNOWN_OPTIONS = {"reshard_after_forward", "mixed_precision", "cpu_offload", "shard_placement_fn",
+                  "mesh"}
+
+
+class FullyShardAdapter(Implementation):
+    capabilities: ClassVar[frozenset[str]] = frozenset({
+        base.PER_PARAM_DIM0, base.PADDED_STORAGE, base.DTENSOR_PARAMS, base.SHARD_PLACEMENT_FN,
+        base.RESHARD_AFTER_FORWARD, base.MIXED_PRECISION, base.CPU_OFFLOAD, base.HSDP,
+        base.EXTENSIONS, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
+    })
+
+    def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,
+                 version: str | None = None):
+        self.namespace = namespace
+        self.ns = importlib.import_module(namespace)
+        if name is not None:
+            self.name = name
+        self._version = version
+
+    @property
+    def version(self) -> str:
+        return self._version or f"torch {torch.__version__}"
+
+    # -------------------------------------------------------------------------------- sharding
+    def shard_kwargs(self, ctx, options: dict) -> dict:
+        unknown = set(options) - _KNOWN_OPTIONS
+        if unknown:
+            raise NotSupported(f"option(s) {sorted(unknown)}")
+        kwargs = {"mesh": options.get("mesh") or ctx.mesh}
+        if "reshard_after_forward" in options:
+            kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+        if options.get("mixed_precision"):
+            mp = dict(options["mixed_precision"])
+            mp.pop("buffer_dtype", None)  # FSDP2 leaves buffers alone
+            kwargs["mp_policy"] = self.ns.MixedPrecisionPolicy(**mp)
+        if options.get("cpu_offload"):
+            kwargs["offload_policy"] = self.ns.CPUOffloadPolicy(
+                pin_memory=torch.accelerator.is_available())
+        if options.get("shard_placement_fn") is not None:
+            kwargs["shard_placement_fn"] = options["shard_placement_fn"]
+        return kwargs
+
+    def shard(self, module: nn.Module, ctx, *, plan=None, **options) -> nn.Module:
+        kwargs = self.shard_kwargs(ctx, options)
+        entries = plan_entries(plan)
+        for fqn, extra in entries:  # children first, root last
+            self.ns.fully_shard(module.get_submodule(fqn), **{**kwargs, **extra})
+        return module
+
+    # -------------------------------------------------------------------------------- layout
+    def fsdp_params(self, module: nn.Module) -> dict[int, object]:
+        """id(registered sharded parameter) -> the implementation's FSDPParam."""
+        found = {}
+        for sub in module.modules():
+            get_state = getattr(sub, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    found[id(fsdp_param.sharded_param)] = fsdp_param
+        return found
+
+    def local_shards(self, module: nn.Module) -> dict[str, ShardView]:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        fsdp_params = self.fsdp_params(module)
+        views = {}
+        for fqn, param in module.named_parameters():
+            if not isinstance(param, DTensor):
+                raise AssertionError(f"{fqn} is registered as {type(param).__name__}, not a DTensor")
+            _, offsets = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements)
+            fsdp_param = fsdp_params.get(id(param))
+            padded = getattr(fsdp_param, "_sharded_param_data", None) if fsdp_param else None
+            views[fqn] = ShardView(fqn, tuple(param.shape), param.to_local(),
+                                   offsets[0] if offsets else 0, padded)
+        return views
+
+    # -------------------------------------------------------------------------------- state dict
+    def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
+        if kind == "dtensor" and not config:
+            return module.state_dict()
+        raise NotSupported(f"{kind} state dict")

@@ -1,0 +1,56 @@
+"""The object every check body receives on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from conformance.adapters.base import Implementation, NotSupported
+
+_MESHES: dict[tuple, object] = {}  # one DeviceMesh per (device type, shape, names) per process
+
+
+@dataclass
+class CheckContext:
+    """Where a check runs: this rank, the group, the device and the implementation under test."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    impl: Implementation | None
+    params: dict = field(default_factory=dict)
+
+    @cached_property
+    def mesh(self):
+        """A 1-D ``DeviceMesh`` over all ranks (created once per process and reused)."""
+        return self.make_mesh((self.world_size,))
+
+    def make_mesh(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        key = (self.device.type, tuple(shape), names)
+        if key not in _MESHES:
+            _MESHES[key] = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=names)
+        return _MESHES[key]
+
+    def require(self, *capabilities: str) -> None:
+        """Raise :class:`NotSupported` unless the implementation declares every capability."""
+        missing = [c for c in capabilities if self.impl is None or c not in self.impl.capabilities]
+        if missing:
+            raise NotSupported(", ".join(missing))
+
+    def seed(self, value: int = 0) -> None:
+        """Seed every rank identically so models built here start equal on all ranks."""
+        torch.manual_seed(value)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def where(self) -> str:
+        """A prefix for assertion messages: which rank saw it."""
+        return f"[rank {self.rank}/{self.world_size}]"

@@ -1,0 +1,314 @@
+"""The pytest plugin that turns registered checks into cases and runs them on worker groups.
+
+Activated with ``-p conformance.plugin`` (``nox -s conformance`` and ``python -m conformance`` do it).
+Options are listed under "fsdp conformance" in ``pytest --help``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conformance import devices, expectations, reporting
+from conformance.adapters.registry import ImplementationLoadError, default_specs, load_implementation, split_specs
+from conformance.registry import CHECKS, CheckSpec, case_id
+from conformance.runner import protocol
+from conformance.runner.protocol import Task
+
+CHECKS_DIR = Path(__file__).parent / "checks"
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("fsdp conformance")
+    g.addoption("--impl", default=None,
+                help="comma-separated implementations: built-in names (torch-fsdp2, torch-fsdp1, "
+                     "reference, reference-fsdp1), entry-point names or package.module:attr "
+                     "(default: $FSDP_CONFORMANCE_IMPL, else torch-fsdp2,torch-fsdp1)")
+    g.addoption("--world-sizes", default=None,
+                help="comma-separated world sizes (default 1,2,3,4 on CPU; 1,2,4,8 capped at the "
+                     "GPU count on GPUs)")
+    g.addoption("--device", default=None, help="device type: cpu, cuda, xpu, hpu, ... (default: auto)")
+    g.addoption("--backend", default=None, help="process-group backend (default: the device's)")
+    g.addoption("--check-timeout", type=float, default=60.0,
+                help="seconds a check may run before its stacks are dumped and it fails (default 60)")
+    g.addoption("--grace", type=float, default=5.0,
+                help="seconds other ranks get to finish after one rank fails (default 5)")
+    g.addoption("--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)")
+    g.addoption("--reports-dir", default="reports", help="where the report files go (default reports/)")
+    g.addoption("--expectations-dir", default=str(expectations.DEFAULT_DIR),
+                help="directory of <impl>[.<device>].txt expected-failure lists")
+
+
+@dataclass
+class CaseMeta:
+    spec: CheckSpec
+    impl_spec: str
+    impl_name: str
+    world_size: int
+    case: str
+    case_id: str
+    device: str
+    backend: str
+
+
+class ConformanceSession:
+    """Per-run state: implementations, worker groups, case metadata, results."""
+
+    def __init__(self, config):
+        self.config = config
+        opt = config.option
+        self.started = time.time()
+        self.torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+        specs = split_specs(opt.impl) if opt.impl else default_specs()
+        self.impls = {}
+        for spec in specs:
+            self.impls[spec] = load_implementation(spec)  # raises ImplementationLoadError
+        names = [i.name for i in self.impls.values()]
+        if len(set(names)) != len(names):
+            raise ImplementationLoadError(f"two selected implementations share a name: {names}")
+        if self.torchrun:
+            self.world_sizes = [int(os.environ["WORLD_SIZE"])]
+        elif opt.world_sizes:
+            self.world_sizes = sorted({int(w) for w in opt.world_sizes.split(",") if w.strip()})
+        else:
+            self.world_sizes = devices.default_world_sizes(opt.device)
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ImplementationLoadError(f"invalid --world-sizes {opt.world_sizes!r}")
+        self.placement = {ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes}
+        self.expect = {}
+        exp_dir = Path(opt.expectations_dir)
+        for spec, impl in self.impls.items():
+            for ws in self.world_sizes:
+                dev = self.placement[ws][0]
+                if (impl.name, dev) not in self.expect:
+                    self.expect[(impl.name, dev)] = expectations.load(impl.name, dev, exp_dir)
+        self.meta: dict[str, CaseMeta] = {}
+        self.records: dict[str, dict] = {}
+        self.spawns: dict[int, int] = {}
+        self._group = None
+        self.is_reporter = not self.torchrun or int(os.environ.get("RANK", "0")) == 0
+
+    # ---------------------------------------------------------------- groups
+    def group(self, world_size: int):
+        if self._group is not None and self._group.world_size != world_size:
+            self.close_group()
+        if self._group is None:
+            device, backend = self.placement[world_size]
+            opt = self.config.option
+            if self.torchrun:
+                from conformance.runner.inprocess import InProcessGroup
+
+                self._group = InProcessGroup(device, backend)
+            else:
+                from conformance.runner.pool import WorkerGroup
+
+                self._group = WorkerGroup(world_size, device, backend,
+                                          threads_per_rank=opt.threads_per_rank, grace=opt.grace)
+        return self._group
+
+    def close_group(self):
+        if self._group is not None:
+            self.spawns[self._group.world_size] = (
+                self.spawns.get(self._group.world_size, 0) + getattr(self._group, "spawn_count", 0))
+            self._group.close()
+            self._group = None
+
+    def stale_entries(self) -> list[expectations.Entry]:
+        """Entries that match no case of any registered check at any world size 1-8."""
+        _import_all_checks()
+        universe = [case_id(s.area, s.name, ws, c) for s in CHECKS for ws in range(1, 9) for c in s.cases]
+        stale = []
+        for exp in self.expect.values():
+            for entry in exp.entries:
+                if not any(entry.matches(cid) for cid in universe) and entry not in stale:
+                    stale.append(entry)
+        return stale
+
+
+def _import_all_checks():
+    for info in pkgutil.iter_modules([str(CHECKS_DIR)]):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"conformance.checks.{info.name}")
+
+
+_SESSION_KEY = pytest.StashKey[ConformanceSession]()
+
+
+def _session(config) -> ConformanceSession:
+    return config.stash[_SESSION_KEY]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    try:
+        session = ConformanceSession(config)
+    except (ImplementationLoadError, expectations.ExpectationsError) as exc:
+        pytest.exit(f"fsdp conformance: {exc}", returncode=2)
+    config.stash[_SESSION_KEY] = session
+    reports_dir = Path(config.option.reports_dir)
+    if session.is_reporter and not getattr(config.option, "xmlpath", None):
+        reports_dir.mkdir(parents=True, exist_ok=True)
+        config.option.xmlpath = str(reports_dir / "conformance.xml")
+    if not session.is_reporter:
+        config.option.xmlpath = None
+
+
+def pytest_unconfigure(config):
+    if _SESSION_KEY in config.stash:
+        _session(config).close_group()
+
+
+def pytest_collect_file(file_path: Path, parent):
+    if file_path.suffix == ".py" and file_path.parent == CHECKS_DIR and not file_path.name.startswith("_"):
+        return CheckFile.from_parent(parent, path=file_path)
+    return None
+
+
+class CheckFile(pytest.File):
+    def collect(self):
+        module_name = f"conformance.checks.{self.path.stem}"
+        importlib.import_module(module_name)
+        session = _session(self.config)
+        for spec in [s for s in CHECKS if s.fn.__module__ == module_name]:
+            for impl_spec, impl in session.impls.items():
+                for ws in session.world_sizes:
+                    if not spec.applies_to(ws):
+                        continue
+                    device, backend = session.placement[ws]
+                    for case in spec.cases:
+                        suffix = f"-{case}" if case else ""
+                        item = CheckItem.from_parent(self, name=f"{spec.name}[{impl.name}-ws{ws}{suffix}]")
+                        meta = CaseMeta(spec, impl_spec, impl.name, ws, case,
+                                        case_id(spec.area, spec.name, ws, case), device, backend)
+                        item.meta = meta
+                        session.meta[item.nodeid] = meta
+                        entry = session.expect[(impl.name, device)].match(meta.case_id)
+                        if entry is not None:
+                            entry.matched += 1
+                            item.add_marker(pytest.mark.xfail(
+                                reason=f"{entry.reason} [{entry.source}]", strict=True, run=True))
+                        yield item
+
+
+class CheckFailure(Exception):
+    """A check failed on at least one rank; ``str()`` is the per-rank report."""
+
+
+class CheckItem(pytest.Item):
+    meta: CaseMeta
+    rank_results: list = ()
+
+    def runtest(self):
+        meta, session = self.meta, _session(self.config)
+        impl = session.impls[meta.impl_spec]
+        missing = sorted(meta.spec.requires - set(impl.capabilities))
+        if missing:
+            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+        timeout = meta.spec.timeout or self.config.option.check_timeout
+        group = session.group(meta.world_size)
+        results = group.run(Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout))
+        self.rank_results = results
+        failed = [r for r in results if r.status not in (protocol.OK, protocol.NOT_SUPPORTED)]
+        if failed:
+            raise CheckFailure(_format_failure(results))
+        unsupported = [r for r in results if r.status == protocol.NOT_SUPPORTED]
+        if unsupported:
+            pytest.skip(f"NotSupported: {impl.name} does not support {unsupported[0].detail}")
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CheckFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.meta.case_id} on {self.meta.impl_name}"
+
+
+def _format_failure(results) -> str:
+    lines = []
+    for r in results:
+        if r.status == protocol.OK and not r.detail:
+            lines.append(f"rank {r.rank}: ok ({r.duration:.2f} s)")
+            continue
+        lines.append(f"rank {r.rank}: {r.status} ({r.duration:.2f} s)")
+        lines.extend("    " + ln for ln in r.detail.rstrip().splitlines())
+    return "\n".join(lines)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # run all cases of one world size together so each group is spawned once
+    order = {ws: i for i, ws in enumerate(_session(config).world_sizes)}
+    items.sort(key=lambda it: order.get(getattr(getattr(it, "meta", None), "world_size", 0), -1))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if isinstance(item, CheckItem) and call.when == "call":
+        rep.rank_results = [r.__dict__.copy() for r in item.rank_results]
+    return rep
+
+
+def pytest_report_header(config):
+    session = _session(config)
+    lines = ["fsdp conformance: implementations "
+             + ", ".join(f"{i.name} ({i.version})" for i in session.impls.values())]
+    lines.append("  world sizes " + ", ".join(
+        f"{ws} ({d}/{b})" for ws, (d, b) in session.placement.items())
+        + (" [torchrun: in-process]" if session.torchrun else ""))
+    return lines
+
+
+class _Recorder:
+    """Collects one record per case from the reports pytest produces."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report):
+        session = _session(self.config)
+        meta = session.meta.get(report.nodeid)
+        if meta is None:
+            return
+        outcome = report_outcome(report)
+        if outcome is None:
+            return
+        prev = session.records.get(report.nodeid)
+        if prev is not None and prev["outcome"] == "fail":
+            return  # keep the first failure (e.g. a teardown error after a call failure)
+        session.records[report.nodeid] = reporting.case_record(report, meta, outcome)
+
+
+def report_outcome(report) -> str | None:
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if hasattr(report, "wasxfail"):
+            return "xfail" if report.skipped else ("fail" if report.failed else "pass")
+        if report.skipped:
+            msg = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            return "not-supported" if "NotSupported" in msg else "skip"
+        return "pass" if report.passed else "fail"
+    if report.when == "teardown" and report.failed:
+        return "fail"
+    return None
+
+
+def pytest_sessionstart(session):
+    session.config.pluginmanager.register(_Recorder(session.config), "fsdp-conformance-recorder")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    session = _session(config)
+    session.close_group()
+    if not session.is_reporter:
+        return
+    wall = time.time() - session.started
+    stale = session.stale_entries()
+    reporting.terminal_summary(terminalreporter, session, wall, stale)
+    reporting.write_files(session, wall, stale, Path(config.option.reports_dir))

@@ -1,0 +1,58 @@
+"""Run one task on this rank (shared by the worker processes and the torchrun path)."""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from conformance.adapters.base import NotSupported
+from conformance.runner.protocol import ERROR, NOT_SUPPORTED, OK, RankResult, Task, resolve
+
+_IMPLS: dict[str, object] = {}  # implementation spec -> loaded adapter, per process
+
+
+def _implementation(spec: str | None):
+    if spec is None:
+        return None
+    if spec not in _IMPLS:
+        from conformance.adapters.registry import load_implementation
+
+        _IMPLS[spec] = load_implementation(spec)
+    return _IMPLS[spec]
+
+
+def execute(task: Task, rank: int, world_size: int, device: torch.device, backend: str) -> RankResult:
+    from conformance.context import CheckContext
+
+    start = time.perf_counter()
+    try:
+        fn = resolve(task.fn)
+        ctx = CheckContext(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            backend=backend,
+            impl=_implementation(task.impl),
+            params=dict(task.kwargs),
+        )
+        value = fn(ctx, **task.kwargs)
+        status, detail = OK, ""
+    except NotSupported as exc:
+        value, status, detail = None, NOT_SUPPORTED, str(exc)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, never swallowed
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        value, status, detail = None, ERROR, traceback.format_exc()
+    return RankResult(rank, status, _picklable(value), detail, time.perf_counter() - start)
+
+
+def _picklable(value):
+    import pickle
+
+    try:
+        pickle.dumps(value)
+        return value
+    except Exception:  # noqa: BLE001
+        return repr(value)

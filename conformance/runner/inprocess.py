@@ -1,0 +1,50 @@
+"""Running checks when the harness itself was launched by ``torchrun`` (the multi-node path).
+
+Every rank runs the same pytest session, collects the same cases in the same order and runs each
+check in-process; the ranks' results are exchanged with ``all_gather_object`` so that every rank
+knows the case's outcome, and rank 0 writes the reports. There is no driver above the ranks here,
+so a hung check cannot be recovered: a watchdog dumps this rank's stacks to stderr and ends the
+process after the check's timeout, and torchrun then tears the job down.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from conformance.runner.execute import execute
+from conformance.runner.protocol import RankResult, Task
+
+
+class InProcessGroup:
+    def __init__(self, device: str, backend: str):
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.get_device_module(self.device.type).set_device(local)
+            self.device = torch.device(self.device.type, local)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        self.backend = backend
+        # results travel on a CPU group so that any device backend works
+        self._objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        self.spawn_count = 0
+
+    def run(self, task: Task) -> list[RankResult]:
+        faulthandler.dump_traceback_later(task.timeout + 30, exit=True)
+        try:
+            mine = execute(task, self.rank, self.world_size, self.device, self.backend)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self._objects)
+        return gathered
+
+    def close(self) -> None:
+        pass  # torchrun owns the processes; the group lives until the interpreter exits

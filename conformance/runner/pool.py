@@ -1,0 +1,223 @@
+"""Worker processes for one (world size, device, backend), spawned once and reused.
+
+[Note: fault handling]
+A check runs on every rank. The driver waits for all ranks' results with the check's timeout.
+* all ranks answer                     -> their results, the group is kept;
+* a rank raises, others still running  -> the others get ``grace`` seconds; whoever is still running
+                                          then is presumed stuck in a collective with the failed rank;
+* the deadline passes                  -> every live rank's Python stack is dumped (SIGUSR1 +
+                                          faulthandler) and attached to its result;
+* a rank process dies                  -> its exit code / signal is reported.
+In the last three cases the whole group is killed and is respawned lazily before the next check, so
+one bad check never poisons the next. Worker processes die with the driver (PDEATHSIG) and are
+killed on ``close()``; nothing is left behind after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+
+from conformance.runner import protocol
+from conformance.runner.protocol import RankResult, Task
+
+_LIVE_GROUPS: set["WorkerGroup"] = set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroupError(RuntimeError):
+    """The group could not be started (rendezvous failed, a worker died during start-up)."""
+
+
+class WorkerGroup:
+    """``world_size`` worker processes joined in one process group."""
+
+    def __init__(self, world_size: int, device: str = "cpu", backend: str = "gloo", *,
+                 threads_per_rank: int = 1, grace: float = 5.0, start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.device = device
+        self.backend = backend
+        self.threads_per_rank = threads_per_rank
+        self.grace = grace
+        self.start_timeout = start_timeout
+        self.spawn_count = 0  # how many times the group was (re)started
+        self._procs: list = []
+        self._conns: list = []
+        self._stack_dir = tempfile.mkdtemp(prefix=f"fsdp-conformance-ws{world_size}-")
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.kill()
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_entry,
+                args=(rank, self.world_size, port, self.device, self.backend, child_conn,
+                      self._stack_path(rank), self.threads_per_rank, self.start_timeout),
+                name=f"fsdp-conformance-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        _LIVE_GROUPS.add(self)
+        deadline = time.monotonic() + self.start_timeout
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                reason = _exit_reason(self._procs[rank].exitcode)
+                self.kill()
+                raise WorkerGroupError(
+                    f"rank {rank} of a world-size-{self.world_size} {self.backend} group did not "
+                    f"come up within {self.start_timeout:.0f} s ({reason})")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                msg = ("failed", _exit_reason(self._procs[rank].join(5) or self._procs[rank].exitcode))
+            if msg[0] != "ready":
+                self.kill()
+                raise WorkerGroupError(f"rank {rank} failed to join the process group: {msg[1]}")
+        self.spawn_count += 1
+
+    def close(self) -> None:
+        """Ask workers to exit; kill whoever does not within a few seconds."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        _LIVE_GROUPS.discard(self)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---------------------------------------------------------------- running
+    def run(self, task: Task) -> list[RankResult]:
+        """Run ``task`` on every rank; never raises for a misbehaving check."""
+        self.start()
+        for conn in self._conns:
+            conn.send(task)
+        results: dict[int, RankResult] = {}
+        deadline = time.monotonic() + task.timeout
+        first_error_at: float | None = None
+        torn_down = False
+        while len(results) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in results]
+            limit = deadline
+            if first_error_at is not None:
+                limit = min(deadline, first_error_at + self.grace)
+            ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
+                         timeout=max(0.0, limit - time.monotonic()))
+            for rank in pending:
+                conn, proc = self._conns[rank], self._procs[rank]
+                if conn in ready:
+                    try:
+                        results[rank] = conn.recv()
+                    except (EOFError, OSError):
+                        results[rank] = RankResult(rank, protocol.DIED, detail=_exit_reason(
+                            proc.join(2) or proc.exitcode))
+                elif proc.sentinel in ready:
+                    proc.join(2)
+                    results[rank] = RankResult(rank, protocol.DIED, detail=_exit_reason(proc.exitcode))
+                else:
+                    continue
+                if not results[rank].ok and first_error_at is None:
+                    first_error_at = time.monotonic()
+            if len(results) < self.world_size and time.monotonic() >= limit:
+                stuck = [r for r in range(self.world_size) if r not in results]
+                stacks = self.dump_stacks()
+                why = (f"did not finish within {task.timeout:g} s" if time.monotonic() >= deadline else
+                       f"still running {self.grace:g} s after another rank failed")
+                for rank in range(self.world_size):
+                    if rank in stuck:
+                        results[rank] = RankResult(
+                            rank, protocol.TIMEOUT, detail=f"rank {rank} {why}; its stack:\n{stacks[rank]}")
+                    else:  # finished its part: its stack shows where it waits instead
+                        results[rank].detail += (f"\n(rank {rank} had returned; its stack at teardown:)\n"
+                                                 f"{stacks[rank]}").lstrip("\n")
+                torn_down = True
+        if torn_down or any(r.status == protocol.DIED for r in results.values()):
+            self.kill()  # respawned lazily by the next run()
+        return [results[r] for r in range(self.world_size)]
+
+    def dump_stacks(self, settle: float = 0.5) -> dict[int, str]:
+        """Every live rank's Python stacks (all threads), via SIGUSR1 -> faulthandler."""
+        offsets = {}
+        for rank, proc in enumerate(self._procs):
+            path = self._stack_path(rank)
+            offsets[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(settle)
+        stacks = {}
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                stacks[rank] = f"(no stack: process {_exit_reason(proc.exitcode)})"
+                continue
+            with open(self._stack_path(rank)) as f:
+                f.seek(offsets[rank])
+                stacks[rank] = f.read().strip() or "(no stack written)"
+        return stacks
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.stacks")
+
+
+def _worker_entry(*args) -> None:
+    from conformance.runner.worker import worker_main
+
+    worker_main(*args)
+
+
+def kill_all_groups() -> None:
+    """Tear down every live group (called at exit and on interrupt)."""
+    for group in list(_LIVE_GROUPS):
+        group.kill()
+
+
+import atexit  # noqa: E402
+
+atexit.register(kill_all_groups)
