@@ -1,8 +1,8 @@
 """The flat parameter: one wrapped module's parameters as a single sharded 1-D tensor.
 
 [Note: flat-parameter vocabulary]
-  original parameters  the ``nn.Parameter`` s of the wrapped module (minus those owned by nested FSDP
-                       modules and ignored modules), visited in ``named_modules()`` order. A
+  original parameters  the ``nn.Parameter`` s of the wrapped module (minus those owned by nested
+                       FSDP modules and ignored modules), visited in ``named_modules()`` order. A
                        parameter reachable under two names is a *shared* parameter: it is
                        flattened once, at its first name (the *primary*), and every later name is
                        recorded in ``_shared_param_infos``.
@@ -25,132 +25,42 @@ entries are listed in ``_numels_with_padding`` with ``_is_padding_mask`` True. W
 ``use_orig_params`` there are no padding entries and the world-size padding is the per-shard
 ``_shard_numel_padded`` instead.
 
-The functions at the top are pure arithmetic (no process group) and are what the property tests
-exercise; :class:`FlatParamHandle` applies them to real parameters.
+The layout arithmetic is pure (no process group) and lives in ``_fsdp1_flat_layout``;
+:class:`FlatParamHandle` applies it to real parameters.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference._fsdp1_flat_layout import (
+    ParamInfo,
+    SharedParamInfo,
+    _ShardParamInfo,
+    aligned_numel,
+    flat_layout,
+    shard_param_infos,
+    shard_range,
+)
+
+__all__ = [
+    "FLAT_PARAM",
+    "FlatParamHandle",
+    "FlatParameter",
+    "ParamInfo",
+    "SharedParamInfo",
+    "_ShardParamInfo",
+    "aligned_numel",
+    "flat_layout",
+    "shard_param_infos",
+    "shard_range",
+]
+
 FLAT_PARAM = "_flat_param"
-_ALIGNMENT_BYTES = 16
-
-
-# --------------------------------------------------------------------------------------------------
-# Pure layout arithmetic
-# --------------------------------------------------------------------------------------------------
-
-
-class ParamInfo(NamedTuple):
-    """Where an original parameter lives: ``module_name`` + "." + ``param_name`` is its FQN
-    relative to the wrapped module."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-
-
-class SharedParamInfo(NamedTuple):
-    """A second (or later) name of a parameter already flattened under ``prim_*``."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    prim_param_name: str
-    prim_module: nn.Module
-    prim_module_name: str
-
-
-class _ShardParamInfo(NamedTuple):
-    """The part of one original parameter inside this rank's shard.
-
-    ``flat_param[offset_in_shard : offset_in_shard + numel_in_shard]`` equals
-    ``param.flatten()[intra_param_start_idx : intra_param_end_idx + 1]`` (end index inclusive).
-    All fields but ``in_shard`` are ``None`` when the parameter has no element in the shard.
-    """
-
-    in_shard: bool
-    offset_in_shard: int | None
-    numel_in_shard: int | None
-    intra_param_start_idx: int | None
-    intra_param_end_idx: int | None
-
-
-def aligned_numel(dtype: torch.dtype) -> int:
-    """Element count of the 16-byte address alignment for ``dtype``."""
-    return _ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
-
-
-def flat_layout(
-    numels: Sequence[int], world_size: int, align: int
-) -> tuple[list[int], list[bool]]:
-    """Segments of the flat tensor: ``(numels_with_padding, is_padding_mask)``.
-
-    ``align == 0`` gives exactly ``numels`` (no padding entries). ``align > 0`` inserts a padding
-    entry before each parameter whose start is not a multiple of ``align``, then one that makes the
-    total a multiple of ``world_size``.
-    """
-    segments: list[int] = []
-    mask: list[bool] = []
-    total = 0
-    for numel in numels:
-        if align > 0 and total % align:
-            segments.append(align - total % align)
-            mask.append(True)
-            total += segments[-1]
-        segments.append(numel)
-        mask.append(False)
-        total += numel
-    if align > 0 and total % world_size:
-        segments.append(world_size - total % world_size)
-        mask.append(True)
-    return segments, mask
-
-
-def shard_range(total_numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
-    """``(start, end, numel_padded)`` of rank ``rank`` 's shard of a flat tensor of ``total_numel``.
-
-    The chunk size is ``C = ceil(total_numel / world_size)`` (``torch.chunk`` 's rule); the shard
-    holds flat elements ``[start, end)`` followed by ``numel_padded`` zeros, so every rank's shard
-    has exactly ``C`` elements.
-    """
-    chunk = math.ceil(total_numel / world_size)
-    start = min(rank * chunk, total_numel)
-    end = min((rank + 1) * chunk, total_numel)
-    return start, end, chunk - (end - start)
-
-
-def shard_param_infos(
-    numels_with_padding: Sequence[int],
-    is_padding_mask: Sequence[bool],
-    start: int,
-    end: int,
-) -> tuple[_ShardParamInfo, ...]:
-    """One :class:`_ShardParamInfo` per non-padding segment for the shard ``[start, end)``."""
-    infos = []
-    offset = 0
-    for numel, is_padding in zip(numels_with_padding, is_padding_mask):
-        seg_start, seg_end = offset, offset + numel
-        offset = seg_end
-        if is_padding:
-            continue
-        lo, hi = max(seg_start, start), min(seg_end, end)
-        if lo >= hi:
-            infos.append(_ShardParamInfo(False, None, None, None, None))
-        else:
-            infos.append(
-                _ShardParamInfo(
-                    True, lo - start, hi - lo, lo - seg_start, hi - seg_start - 1
-                )
-            )
-    return tuple(infos)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,8 +127,8 @@ class FlatParamHandle:
         keep_low_precision_grads: bool = False,
     ) -> None:
         self.process_group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank = process_group.rank()  # group-local rank
+        self.world_size = process_group.size()
         self.uses_sharded_strategy = sharded
         self._use_orig_params = use_orig_params
         self._fully_sharded_module = fully_sharded_module
@@ -231,9 +141,7 @@ class FlatParamHandle:
 
     # -- construction -----------------------------------------------------------------------------
 
-    def _init_flat_param(
-        self, params: Sequence[nn.Parameter], module: nn.Module
-    ) -> None:
+    def _init_flat_param(self, params: Sequence[nn.Parameter], module: nn.Module) -> None:
         managed = {id(p) for p in params}
         infos, shared, ordered, memo = [], [], [], {}
         for module_name, sub in module.named_modules(remove_duplicate=False):
@@ -258,14 +166,10 @@ class FlatParamHandle:
         device, dtype = ordered[0].device, ordered[0].dtype
         pieces, it = [], iter(ordered)
         for seg, is_padding in zip(segments, mask):
-            pieces.append(
-                torch.zeros(seg, dtype=dtype, device=device) if is_padding else None
-            )
+            pieces.append(torch.zeros(seg, dtype=dtype, device=device) if is_padding else None)
             if not is_padding:
                 pieces[-1] = next(it).detach().reshape(-1)
-        flat = (
-            torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        )
+        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
         total = flat.numel()
         if self.uses_sharded_strategy:
             start, end, pad = shard_range(total, self.rank, self.world_size)
@@ -291,9 +195,7 @@ class FlatParamHandle:
         self._orig_params = list(ordered) if self._use_orig_params else []
         if self._use_orig_params:
             self._use_sharded_views()
-            fp.register_post_accumulate_grad_hook(
-                lambda _: self._use_sharded_grad_views()
-            )
+            fp.register_post_accumulate_grad_hook(lambda _: self._use_sharded_grad_views())
         else:
             self._delete_views()
 
@@ -302,9 +204,7 @@ class FlatParamHandle:
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def _gather(
-        self, shard: torch.Tensor, dtype: torch.dtype, copy: bool = False
-    ) -> torch.Tensor:
+    def _gather(self, shard: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
         """Padded unsharded flat tensor in ``dtype`` (a fresh tensor; for NO_SHARD without a cast
         and ``copy=False`` it is the flat parameter's own storage)."""
         local = shard.to(dtype)
@@ -363,9 +263,7 @@ class FlatParamHandle:
         fp = self.flat_param
         for i, info in enumerate(fp._param_infos):
             yield info.module, info.module_name, info.param_name, i
-        primary = {
-            (id(i.module), i.param_name): k for k, i in enumerate(fp._param_infos)
-        }
+        primary = {(id(i.module), i.param_name): k for k, i in enumerate(fp._param_infos)}
         for s in fp._shared_param_infos:
             index = primary[(id(s.prim_module), s.prim_param_name)]
             yield s.module, s.module_name, s.param_name, index
@@ -386,9 +284,7 @@ class FlatParamHandle:
                 _set_param(module, name, self._orig_params[i])
             elif as_params:
                 if i not in made:
-                    made[i] = nn.Parameter(
-                        views[i], requires_grad=self.flat_param.requires_grad
-                    )
+                    made[i] = nn.Parameter(views[i], requires_grad=self.flat_param.requires_grad)
                 _set_param(module, name, made[i])
             else:
                 _set_tensor(module, name, views[i])
@@ -397,18 +293,14 @@ class FlatParamHandle:
         """use_orig_params=True: each user parameter holds its 1-D part of the shard (0 elements
         when none of it is on this rank)."""
         fp = self.flat_param
-        if (
-            not self.uses_sharded_strategy
-        ):  # NO_SHARD: the "shard" is whole; keep full shapes
+        if not self.uses_sharded_strategy:  # NO_SHARD: the "shard" is whole; keep full shapes
             self.use_unsharded_views(fp.data, as_params=True)
             return
         for module, _, name, i in self._all_names():
             info = fp._shard_param_infos[i]
             p = self._orig_params[i]
             if info.in_shard:
-                p.data = fp.data[
-                    info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
-                ]
+                p.data = fp.data[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
             else:
                 p.data = fp.data.new_empty(0)
             _set_param(module, name, p)
@@ -424,9 +316,7 @@ class FlatParamHandle:
             if grad is None or not info.in_shard or grad.dtype != p.dtype:
                 p.grad = None
             else:
-                p.grad = grad[
-                    info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
-                ]
+                p.grad = grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
 
     def _delete_views(self) -> None:
         for module, _, name, _ in self._all_names():
@@ -448,9 +338,7 @@ class FlatParamHandle:
 
 
 def _fqn(info: ParamInfo) -> str:
-    return (
-        f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
-    )
+    return f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
 
 
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:

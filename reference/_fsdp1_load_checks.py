@@ -98,9 +98,7 @@ def _problem(key: str, kind: str, shape: tuple, fsdp: Any, value: Any) -> str | 
     is_st = isinstance(value, ShardedTensor)
     is_dt = type(value).__name__ == "DTensor"
     got = tuple(value.size()) if not is_dt else tuple(value.shape)
-    sd_type = (
-        _effective_type(fsdp) if fsdp is not None else StateDictType.FULL_STATE_DICT
-    )
+    sd_type = _effective_type(fsdp) if fsdp is not None else StateDictType.FULL_STATE_DICT
     name = sd_type.name
     if kind == "plain" or sd_type == StateDictType.FULL_STATE_DICT:
         if is_st or is_dt:
@@ -169,14 +167,8 @@ def _validate_load_input(
             problems.append(problem)
     if strict:
         for key in state_dict:
-            if (
-                key.startswith(prefix)
-                and key not in expected
-                and not key.endswith("_extra_state")
-            ):
-                problems.append(
-                    f"unexpected key '{key}': remove it or load with strict=False"
-                )
+            if key.startswith(prefix) and key not in expected and not key.endswith("_extra_state"):
+                problems.append(f"unexpected key '{key}': remove it or load with strict=False")
     if problems:
         raise RuntimeError(
             "FSDP load_state_dict rejected the state dict before changing any parameter:\n  "

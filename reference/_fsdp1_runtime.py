@@ -66,9 +66,7 @@ def _cast_forward_inputs(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[An
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if torch.is_floating_point(t) else t
 
-    return tree_map_only(torch.Tensor, cast, args), tree_map_only(
-        torch.Tensor, cast, kwargs
-    )
+    return tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
 
 
 def _forward(state: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> Any:
@@ -116,13 +114,9 @@ def _validate_unshard_params_args(
             f"offload_to_cpu={offload_to_cpu} is not supported yet"
         )
     if offload_to_cpu and state._handle and not state._handle.uses_sharded_strategy:
-        raise NotImplementedError(
-            "offload_to_cpu=True and NO_SHARD is not supported yet"
-        )
+        raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
     if writeback and rank0_only:
-        raise NotImplementedError(
-            "writeback=True and rank0_only=True is not supported yet"
-        )
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
 
 
 def _hide_flat_param(state: FullyShardedDataParallel) -> None:
@@ -192,14 +186,10 @@ def _unshard_params(
     """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``)."""
     from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
-    if recurse:
-        states = FSDP.fsdp_modules(module)
-    else:
-        states = [module] if isinstance(module, FSDP) else []
+    own = [module] if isinstance(module, FSDP) else []
+    states = FSDP.fsdp_modules(module) if recurse else own
     for state in states:
-        _validate_unshard_params_args(
-            state, writeback, rank0_only, offload_to_cpu, with_grads
-        )
+        _validate_unshard_params_args(state, writeback, rank0_only, offload_to_cpu, with_grads)
     for state in states:
         _lazy_init(state)
     with contextlib.ExitStack() as stack:

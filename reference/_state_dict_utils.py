@@ -90,8 +90,7 @@ def _effective_type(state: FullyShardedDataParallel, load: bool) -> Iterator[Non
         return
     sep = "" if load else " "
     warnings.warn(
-        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
-        f"{sep}be returned.",
+        f"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will{sep}be returned.",
         stacklevel=4,
     )
     saved = state._state_dict_type, state._state_dict_config
@@ -115,17 +114,11 @@ def _set_use_dtensor(state: FullyShardedDataParallel) -> None:
         state._state_dict_config._use_dtensor = True
 
 
-def _enter_unshard(
-    state, writeback: bool, rank0_only: bool, offload_to_cpu: bool
-) -> None:
+def _enter_unshard(state, writeback: bool, rank0_only: bool, offload_to_cpu: bool) -> None:
     if getattr(state, "_unshard_stack", None) is not None:
-        raise AssertionError(
-            "An unshard for the state dict is already active on this module"
-        )
+        raise AssertionError("An unshard for the state dict is already active on this module")
     stack = contextlib.ExitStack()
-    stack.enter_context(
-        _unshard_fsdp_state_params(state, writeback, rank0_only, offload_to_cpu)
-    )
+    stack.enter_context(_unshard_fsdp_state_params(state, writeback, rank0_only, offload_to_cpu))
     state._unshard_stack = stack
 
 
@@ -151,9 +144,7 @@ def _check_local_supported(state) -> None:
 
 
 @torch.no_grad()
-def _pre_state_dict_hook(
-    module: FullyShardedDataParallel, *args: Any, **kwargs: Any
-) -> None:
+def _pre_state_dict_hook(module: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> None:
     state = module
     if state.sharding_strategy != ShardingStrategy.NO_SHARD:
         _set_use_dtensor(state)
@@ -199,9 +190,7 @@ def _unshard_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> 
                 state_dict.pop(key, None)
             elif full:
                 value = state_dict[key]
-                state_dict[key] = (
-                    value.detach().to("cpu") if offload else value.detach()
-                )
+                state_dict[key] = value.detach().to("cpu") if offload else value.detach()
                 if state_dict[key].data_ptr() == value.data_ptr():
                     state_dict[key] = state_dict[key].clone()
             else:
@@ -211,7 +200,7 @@ def _unshard_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> 
     finally:
         _exit_unshard(state)
     buffer_dtype = state.mixed_precision.buffer_dtype if state.mixed_precision else None
-    for fqn, owner, name in state._owned_buffers:
+    for fqn, _, _ in state._owned_buffers:
         key = prefix + fqn
         if key not in state_dict:  # non-persistent
             continue
@@ -291,15 +280,13 @@ def _local_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> No
     if valid > 0:
         shards = [
             Shard.from_tensor_and_offsets(
-                fp.detach()[:valid], [fp.numel() * state.rank], state.rank
+                fp[:valid].view(valid), [fp.numel() * state.rank], state.rank
             )
         ]
     st = init_from_local_shards(
         shards, fp._unpadded_unsharded_size.numel(), process_group=state.process_group
     )
-    state_dict[prefix + FLAT_PARAM] = (
-        st.cpu() if state._state_dict_config.offload_to_cpu else st
-    )
+    state_dict[prefix + FLAT_PARAM] = st.cpu() if state._state_dict_config.offload_to_cpu else st
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -352,9 +339,7 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
     for fqn, _ in _param_fqns(state):
         key = wrapped_prefix + fqn
         if key not in state_dict:
-            warnings.warn(
-                f"Did not find param with FQN {key}, skipping it.", stacklevel=4
-            )
+            warnings.warn(f"Did not find param with FQN {key}, skipping it.", stacklevel=4)
             continue
         value = state_dict.pop(key)
         if state._state_dict_config._use_dtensor:
@@ -367,18 +352,14 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
             local = shards[0].tensor.reshape(-1).to(state.compute_device)
             local = F.pad(local, [0, chunk_numel - local.numel()])
         else:
-            local = torch.zeros(
-                chunk_numel, dtype=value.dtype, device=state.compute_device
-            )
+            local = torch.zeros(chunk_numel, dtype=value.dtype, device=state.compute_device)
         gathered = local.new_empty(chunk_numel * state.world_size)
         dist.all_gather_single(gathered, local, group=state.process_group)
         state_dict[key] = gathered[: shape.numel()].view(shape)
 
 
 @torch.no_grad()
-def _post_load_state_dict_hook(
-    module: FullyShardedDataParallel, incompatible_keys: Any
-) -> None:
+def _post_load_state_dict_hook(module: FullyShardedDataParallel, incompatible_keys: Any) -> None:
     state = module
     with _effective_type(state, load=True):
         if state._state_dict_type != LOCAL:
@@ -393,7 +374,5 @@ def _register_all_state_dict_hooks(state: FullyShardedDataParallel) -> None:
     state._unshard_stack = None
     state.register_state_dict_pre_hook(_pre_state_dict_hook)
     state._register_state_dict_hook(_post_state_dict_hook)
-    state._register_load_state_dict_pre_hook(
-        _pre_load_state_dict_hook, with_module=True
-    )
+    state._register_load_state_dict_pre_hook(_pre_load_state_dict_hook, with_module=True)
     state.register_load_state_dict_post_hook(_post_load_state_dict_hook)

@@ -1,7 +1,7 @@
-"""Public configuration types of the flat-parameter FSDP (FSDP1), named as in ``torch.distributed.fsdp``.
+"""Public configuration types of the flat-parameter FSDP (FSDP1), named as in torch.distributed.fsdp
 
 Everything here is plain data: enums that name a strategy or a state-dict layout, and dataclasses
-that carry user choices into :class:`~reference.fully_sharded_data_parallel.FullyShardedDataParallel`.
+that carry user choices into ``FullyShardedDataParallel``.
 No behaviour lives in this file; the rules each value selects are stated in its docstring and
 implemented next to the code that reads it.
 """
@@ -155,7 +155,7 @@ class ShardedStateDictConfig(StateDictConfig):
 
 @dataclass
 class OptimStateDictConfig:
-    """Optimizer-state counterpart of :class:`StateDictConfig` (stored, not used by the reference)."""
+    """Optimizer-state counterpart of :class:`StateDictConfig` (stored, unused by the reference)."""
 
     offload_to_cpu: bool = True
 

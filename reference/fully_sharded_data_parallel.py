@@ -34,6 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from reference._flat_param import FlatParameter, FlatParamHandle
+from reference._fsdp1_init import (
+    FSDP_WRAPPED_MODULE,
+    _clamp_strategy,
+    _clean,
+    _compute_device,
+    _managed_tensors,
+)
 from reference._fsdp1_runtime import TrainingState, _forward, _unshard_params
 from reference._state_dict_utils import _register_all_state_dict_hooks
 from reference.api import (
@@ -54,8 +61,6 @@ from reference.api import (
 )
 
 __all__ = ["FullyShardedDataParallel"]
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 
 _CONFIG_TYPES = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -109,14 +114,12 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
+            raise TypeError(
                 "FSDP was given a module that is already a FullyShardedDataParallel; wrap the "
                 "inner module once (or wrap a parent module instead)"
             )
         if cpu_offload is not None and cpu_offload.offload_params:
-            raise NotImplementedError(
-                "The reference FSDP does not implement CPUOffload"
-            )
+            raise NotImplementedError("The reference FSDP does not implement CPUOffload")
         if param_init_fn is not None or sync_module_states:
             raise NotImplementedError(
                 "The reference FSDP does not implement param_init_fn / sync_module_states"
@@ -126,9 +129,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if device_mesh is not None:
             if device_mesh.ndim != 1:
-                raise NotImplementedError(
-                    "The reference FSDP supports 1-D device meshes only"
-                )
+                raise NotImplementedError("The reference FSDP supports 1-D device meshes only")
             process_group = device_mesh.get_group()
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.rank = dist.get_rank(self.process_group)
@@ -147,29 +148,27 @@ class FullyShardedDataParallel(nn.Module):
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
-        ignored = list(
-            ignored_states if ignored_states is not None else ignored_modules or []
-        )
+        ignored = list(ignored_states if ignored_states is not None else ignored_modules or [])
         self._ignored_modules = {m for top in ignored for m in top.modules()}
 
         if auto_wrap_policy is not None:
             from reference._wrap_utils import _auto_wrap
 
-            root_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
-                ignored_states=ignored_states,
-                device_mesh=device_mesh,
-            )
+            root_kwargs = {
+                "process_group": process_group,
+                "sharding_strategy": sharding_strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "param_init_fn": param_init_fn,
+                "device_id": device_id,
+                "sync_module_states": sync_module_states,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "use_orig_params": use_orig_params,
+                "ignored_states": ignored_states,
+                "device_mesh": device_mesh,
+            }
             ignored_params = {p for m in self._ignored_modules for p in m.parameters()}
             _auto_wrap(
                 module,
@@ -244,9 +243,7 @@ class FullyShardedDataParallel(nn.Module):
     # -- traversal --------------------------------------------------------------------------------
 
     @staticmethod
-    def fsdp_modules(
-        module: nn.Module, root_only: bool = False
-    ) -> list[FullyShardedDataParallel]:
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every FSDP module in ``module`` 's tree (``modules()`` order), or only the roots."""
         found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         return [m for m in found if m._is_root] if root_only else found
@@ -266,9 +263,7 @@ class FullyShardedDataParallel(nn.Module):
         """Expose full, unflattened parameters of every FSDP module in the tree (all ranks must
         enter). Changes made inside persist on exit when ``writeback`` (each rank keeps its own
         range). ``with_grads`` is not implemented by the reference."""
-        with _unshard_params(
-            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
-        ):
+        with _unshard_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     # -- state-dict type --------------------------------------------------------------------------
@@ -290,15 +285,12 @@ class FullyShardedDataParallel(nn.Module):
             stacklevel=2,
         )
         config_cls, optim_cls = _CONFIG_TYPES[state_dict_type]
-        state_dict_config = (
-            state_dict_config if state_dict_config is not None else config_cls()
-        )
+        state_dict_config = state_dict_config if state_dict_config is not None else config_cls()
         if optim_state_dict_config is None:
             optim_state_dict_config = optim_cls()
         if type(state_dict_config) is not config_cls:
             raise RuntimeError(
-                f"Expected state_dict_config of type {config_cls} "
-                f"but got {type(state_dict_config)}"
+                f"Expected state_dict_config of type {config_cls} but got {type(state_dict_config)}"
             )
         if type(optim_state_dict_config) is not optim_cls:
             raise RuntimeError(
@@ -307,9 +299,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         modules = FullyShardedDataParallel.fsdp_modules(module)
         if len({m._state_dict_type for m in modules}) > 1:
-            raise AssertionError(
-                "All FSDP modules should have the same state_dict_type."
-            )
+            raise AssertionError("All FSDP modules should have the same state_dict_type.")
         prev = (
             StateDictSettings(
                 modules[0]._state_dict_type,
@@ -360,75 +350,3 @@ class FullyShardedDataParallel(nn.Module):
                     prev.state_dict_config,
                     prev.optim_state_dict_config,
                 )
-
-
-def _clean(name: str) -> str:
-    """A tensor name without wrapper prefixes (FSDP's and activation checkpointing's)."""
-    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace(
-        "_checkpoint_wrapped_module.", ""
-    )
-
-
-def _clamp_strategy(
-    strategy: ShardingStrategy | None, world_size: int
-) -> ShardingStrategy:
-    if strategy in (
-        ShardingStrategy.HYBRID_SHARD,
-        ShardingStrategy._HYBRID_SHARD_ZERO2,
-    ):
-        raise NotImplementedError(f"The reference FSDP does not implement {strategy}")
-    if world_size == 1:
-        if strategy != ShardingStrategy.NO_SHARD:
-            warnings.warn(
-                "FSDP is switching to use `NO_SHARD` instead of "
-                f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1.",
-                stacklevel=3,
-            )
-        return ShardingStrategy.NO_SHARD
-    if strategy == ShardingStrategy.NO_SHARD:
-        warnings.warn(
-            "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
-            "please use `DistributedDataParallel` instead.",
-            FutureWarning,
-            stacklevel=3,
-        )
-    return strategy or ShardingStrategy.FULL_SHARD
-
-
-def _managed_tensors(
-    module: nn.Module, ignored: set[nn.Module]
-) -> tuple[list[nn.Parameter], list[tuple[str, nn.Module, str]]]:
-    """Managed parameters (unique, first-visit order) and owned buffers of ``module``: everything
-    outside nested FSDP modules and ignored modules."""
-    params: list[nn.Parameter] = []
-    seen: set[int] = set()
-    buffers: list[tuple[str, nn.Module, str]] = []
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        if mod in ignored or isinstance(mod, FullyShardedDataParallel):
-            return
-        for name, p in mod._parameters.items():
-            if p is not None and id(p) not in seen and not isinstance(p, FlatParameter):
-                seen.add(id(p))
-                params.append(p)
-        for name, b in mod._buffers.items():
-            if b is not None:
-                buffers.append((_clean(prefix + name), mod, name))
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
-    return params, buffers
-
-
-def _compute_device(
-    device_id: Any, params: list[nn.Parameter], module: nn.Module
-) -> torch.device:
-    if device_id is not None:
-        device = torch.device(device_id)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    tensors = params + list(module.buffers())
-    return tensors[0].device if tensors else torch.device("cpu")

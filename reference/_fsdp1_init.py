@@ -1,0 +1,90 @@
+"""Construction helpers of the FSDP1 wrapper: strategy clamp, managed tensors, compute device.
+
+Vocabulary (managed parameters, owned buffers, root): see ``[Note: the FSDP1 module tree]`` in
+:mod:`reference.fully_sharded_data_parallel`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from reference._flat_param import FlatParameter
+from reference.api import ShardingStrategy
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _clean(name: str) -> str:
+    """A tensor name without wrapper prefixes (FSDP's and activation checkpointing's)."""
+    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _clamp_strategy(strategy: ShardingStrategy | None, world_size: int) -> ShardingStrategy:
+    if strategy in (
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    ):
+        raise NotImplementedError(f"The reference FSDP does not implement {strategy}")
+    if world_size == 1:
+        if strategy != ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                "FSDP is switching to use `NO_SHARD` instead of "
+                f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1.",
+                stacklevel=3,
+            )
+        return ShardingStrategy.NO_SHARD
+    if strategy == ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
+            "please use `DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return strategy or ShardingStrategy.FULL_SHARD
+
+
+def _managed_tensors(
+    module: nn.Module, ignored: set[nn.Module]
+) -> tuple[list[nn.Parameter], list[tuple[str, nn.Module, str]]]:
+    """Managed parameters (unique, first-visit order) and owned buffers of ``module``: everything
+    outside nested FSDP modules and ignored modules."""
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    buffers: list[tuple[str, nn.Module, str]] = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if mod in ignored or _is_fsdp(mod):
+            return
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen and not isinstance(p, FlatParameter):
+                seen.add(id(p))
+                params.append(p)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                buffers.append((_clean(prefix + name), mod, name))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return params, buffers
+
+
+def _compute_device(device_id: Any, params: list[nn.Parameter], module: nn.Module) -> torch.device:
+    if device_id is not None:
+        device = torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    tensors = params + list(module.buffers())
+    return tensors[0].device if tensors else torch.device("cpu")
