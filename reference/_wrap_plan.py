@@ -103,17 +103,22 @@ def build_wrap_plan(
         the root alone.
       * ``ignored_modules`` are expanded to their subtrees; they and ``ignored_params`` are
         neither planned nor counted (as FSDP's ``ignored_states``).
-      * Raises as FSDP1 would, before anything else: bad ``ignored_modules``; a module with FSDP
+      * Raises as FSDP1 would, before anything else: bad ``ignored_modules`` /
+        ``ignored_params`` (``ValueError``, FSDP1's ``ignored_states`` wording); a module with FSDP
         already applied (W6); a ``CustomPolicy`` answer that is not a bool/dict (W10); mixed
         frozen and trainable parameters in one ``_Policy`` target (W12, ``ValueError`` unless
         ``use_orig_params``).
     The model is not modified (no attribute, hook or child changes).
     """
     root_kwargs = dict(root_kwargs or {})
+    ignored_modules, ignored_params = list(ignored_modules), list(ignored_params)
+    _check_uniform(ignored_modules, nn.Module, "ignored_modules expects nn.Module list elements")
+    _check_uniform(
+        ignored_params,
+        nn.Parameter,
+        "ignored_states expects all nn.Parameter or all nn.Module list elements",
+    )
     ignored_module_set = _get_ignored_modules(root, ignored_modules)
-    for p in ignored_params:
-        if not isinstance(p, nn.Parameter):
-            raise TypeError(f"ignored_params should contain nn.Parameters but got {type(p)}")
     ignored_param_set = _get_ignored_params(root, ignored_module_set, ignored_params)
     _check_nested_wrapping(root)
 
@@ -153,6 +158,13 @@ def build_wrap_plan(
         entries.append(WrapPlanEntry(names[module], MappingProxyType(dict(kwargs)), fqns))
     ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
     return WrapPlan(tuple(entries), ignored_fqns)
+
+
+def _check_uniform(items: list, cls: type, message: str) -> None:
+    """FSDP1's check on ``ignored_modules`` / ``ignored_states``: ``ValueError`` naming the types."""
+    if not all(isinstance(x, cls) for x in items):
+        kinds = sorted({type(x) for x in items}, key=repr)
+        raise ValueError(f"{message} but got types {kinds}")
 
 
 def _plan_callable_policy(

@@ -1,0 +1,383 @@
+"""Tests for the side-effect-free wrap plan (``reference._wrap_plan.build_wrap_plan``).
+
+The oracle is torch 2.13's FSDP1: ``FullyShardedDataParallel(model, auto_wrap_policy=...)`` in
+one process with a rank/size-only process group and ``device_id=cpu``, and torch's own
+``_auto_wrap`` driven with a recording stand-in (for the exact kwargs of each unit).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp import _wrap_utils as torch_wrap_utils
+from torch.distributed.fsdp import wrap as TW
+
+from reference import wrap as W
+from reference._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
+
+CPU = torch.device("cpu")
+
+
+class DummyProcessGroup:
+    """Answers rank()/size() only: enough to construct FSDP1 units on CPU."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class Block(nn.Module):
+    """A custom container (children as attributes c0, c1, ...)."""
+
+    def __init__(self, children):
+        super().__init__()
+        for i, child in enumerate(children):
+            setattr(self, f"c{i}", child)
+
+
+# --- random models and policies ----------------------------------------------------------------
+
+LEAVES = st.one_of(
+    st.tuples(st.just("linear"), st.integers(1, 9), st.integers(1, 9), st.booleans()),
+    st.tuples(st.just("bn"), st.integers(1, 6)),
+    st.tuples(st.just("ln"), st.integers(1, 6)),
+    st.tuples(st.just("emb"), st.integers(1, 6), st.integers(1, 4)),
+    st.just(("relu",)),
+)
+MODELS = st.recursive(
+    LEAVES,
+    lambda inner: st.tuples(
+        st.sampled_from(["seq", "list", "block"]), st.lists(inner, min_size=1, max_size=4)
+    ),
+    max_leaves=14,
+).filter(lambda spec: spec[0] in ("seq", "list", "block"))  # the root is a container
+
+CLASSES = {
+    "Linear": nn.Linear,
+    "BatchNorm1d": nn.BatchNorm1d,
+    "LayerNorm": nn.LayerNorm,
+    "Embedding": nn.Embedding,
+    "Sequential": nn.Sequential,
+    "ModuleList": nn.ModuleList,
+    "Block": Block,
+}
+CLASS_SETS = st.frozensets(st.sampled_from(sorted(CLASSES)), min_size=1, max_size=3)
+ANSWERS = st.sampled_from([False, True, {}, {"forward_prefetch": True}])
+POLICIES = st.one_of(
+    st.tuples(st.just("size"), st.sampled_from([0, 5, 20, 40, 100, 300])),
+    st.just(("always",)),
+    st.tuples(st.just("module"), CLASS_SETS),
+    st.tuples(st.just("transformer"), CLASS_SETS),
+    st.tuples(st.just("lambda"), CLASS_SETS),
+    st.tuples(st.just("custom"), st.dictionaries(st.sampled_from(sorted(CLASSES)), ANSWERS)),
+    st.tuples(st.just("or"), st.sampled_from([20, 100]), CLASS_SETS),
+)
+
+
+def build_model(spec) -> nn.Module:
+    kind = spec[0]
+    if kind == "linear":
+        return nn.Linear(spec[1], spec[2], bias=spec[3])
+    if kind == "bn":
+        return nn.BatchNorm1d(spec[1])
+    if kind == "ln":
+        return nn.LayerNorm(spec[1])
+    if kind == "emb":
+        return nn.Embedding(spec[1], spec[2])
+    if kind == "relu":
+        return nn.ReLU()
+    children = [build_model(c) for c in spec[1]]
+    if kind == "seq":
+        return nn.Sequential(*children)
+    return nn.ModuleList(children) if kind == "list" else Block(children)
+
+
+def build_policy(spec, lib):
+    """The same policy from torch's module (``lib=TW``) or the reference's (``lib=W``)."""
+    kind = spec[0]
+    if kind == "size":
+        return functools.partial(lib.size_based_auto_wrap_policy, min_num_params=spec[1])
+    if kind == "always":
+        return lib.always_wrap_policy
+    classes = None if kind == "custom" else {CLASSES[n] for n in spec[-1]}
+    if kind == "module":
+        return lib.ModuleWrapPolicy(classes)
+    if kind == "transformer":
+        return functools.partial(lib.transformer_auto_wrap_policy, transformer_layer_cls=classes)
+    if kind == "lambda":
+        return functools.partial(
+            lib.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, tuple(classes))
+        )
+    if kind == "custom":
+        answers = {CLASSES[n]: a for n, a in spec[1].items()}
+        return lib.CustomPolicy(lambda m: copy.copy(answers.get(type(m), False)))
+    size = functools.partial(lib.size_based_auto_wrap_policy, min_num_params=spec[1])
+    individually = functools.partial(lib._wrap_module_cls_individually, module_classes=classes)
+    return functools.partial(lib._or_policy, policies=[size, individually])
+
+
+def pick(model: nn.Module, indices) -> list[nn.Module]:
+    """Non-root modules of ``model`` at the given positions of ``named_modules()``."""
+    modules = [m for _, m in model.named_modules()][1:]
+    return [modules[i % len(modules)] for i in indices] if modules else []
+
+
+def freeze(model: nn.Module, indices) -> None:
+    params = list(model.parameters())
+    for i in indices:
+        if params:
+            params[i % len(params)].requires_grad_(False)
+
+
+def clean(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p and p != "_fsdp_wrapped_module")
+
+
+def torch_fsdp1_units(model, policy, ignored, mp, use_orig_params):
+    """{clean fqn: FSDP instance} of what torch FSDP1 builds (``""`` = the root)."""
+    fsdp = FSDP(
+        model,
+        process_group=DummyProcessGroup(0, 1),
+        auto_wrap_policy=policy,
+        ignored_modules=ignored or None,
+        mixed_precision=mp,
+        use_orig_params=use_orig_params,
+        device_id=CPU,
+    )
+    return {clean(n): m for n, m in fsdp.named_modules() if isinstance(m, FSDP)}
+
+
+def torch_auto_wrap_calls(model, policy, ignored, root_kwargs):
+    """What torch's ``_auto_wrap`` passes to the FSDP class, in call order: [(fqn, kwargs)]."""
+    names = {m: n for n, m in model.named_modules()}
+    calls = []
+
+    class Recorder:
+        def __new__(cls, module, **kwargs):
+            calls.append((names[module], dict(kwargs)))
+            return module
+
+    ignored_modules = {m for top in ignored for m in top.modules()}
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    torch_wrap_utils._auto_wrap(
+        model, policy, ignored_modules, ignored_params, dict(root_kwargs), Recorder
+    )
+    return calls
+
+
+def run_or_error(fn):
+    try:
+        return fn(), None
+    except (ValueError, TypeError, RuntimeError, AssertionError) as e:
+        return None, e
+
+
+# --- the property test -------------------------------------------------------------------------
+
+
+@given(
+    model_spec=MODELS,
+    policy_spec=POLICIES,
+    ignored_idx=st.lists(st.integers(0, 50), max_size=2),
+    frozen_idx=st.lists(st.integers(0, 50), max_size=2),
+    with_mp=st.booleans(),
+    use_orig_params=st.booleans(),
+)
+def test_plan_matches_torch_fsdp1(
+    model_spec, policy_spec, ignored_idx, frozen_idx, with_mp, use_orig_params
+):
+    mp = MixedPrecision(param_dtype=torch.float16) if with_mp else None
+
+    def fresh():
+        model = build_model(model_spec)
+        freeze(model, frozen_idx)
+        return model, pick(model, ignored_idx)
+
+    model, ignored = fresh()
+    root_kwargs = {"mixed_precision": mp, "use_orig_params": use_orig_params, "limit": 7}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan, plan_error = run_or_error(
+            lambda: build_wrap_plan(
+                model,
+                build_policy(policy_spec, W),
+                ignored_modules=ignored,
+                root_kwargs=root_kwargs,
+            )
+        )
+        torch_model, torch_ignored = fresh()
+        units, torch_error = run_or_error(
+            lambda: torch_fsdp1_units(
+                torch_model, build_policy(policy_spec, TW), torch_ignored, mp, use_orig_params
+            )
+        )
+        rec_model, rec_ignored = fresh()
+        calls, rec_error = run_or_error(
+            lambda: torch_auto_wrap_calls(
+                rec_model, build_policy(policy_spec, TW), rec_ignored, root_kwargs
+            )
+        )
+
+    # Errors of the wrap step itself (W12) must match; FSDP1's own construction errors (a flat
+    # parameter with mixed requires_grad outside W12's reach) are not the plan's business.
+    if rec_error is not None:
+        assert plan_error is not None and type(plan_error) is type(rec_error)
+        assert str(plan_error) == str(rec_error)
+        return
+    assert plan_error is None, plan_error
+    assert [(fqn, dict(kw)) for fqn, kw in plan.targets[:-1]] == calls
+    assert plan.entries[-1].module_fqn == "" and dict(plan.entries[-1].kwargs) == root_kwargs
+
+    if torch_error is None:
+        assert set(plan.module_fqns) == set(units)
+        for fqn, kwargs in plan.targets:
+            planned_mp = kwargs.get("mixed_precision")
+            assert units[fqn].mixed_precision == (planned_mp or MixedPrecision())
+            if fqn:
+                assert units[fqn].forward_prefetch == kwargs.get("forward_prefetch", False)
+    else:
+        assert "requires_grad" in str(torch_error), torch_error
+
+    check_plan_invariants(model, plan, ignored)
+
+
+def check_plan_invariants(model: nn.Module, plan: WrapPlan, ignored) -> None:
+    fqns = plan.module_fqns
+    assert fqns[-1] == "" and fqns.count("") == 1 and len(set(fqns)) == len(fqns)
+    for i, earlier in enumerate(fqns):
+        for later in fqns[i + 1 :]:
+            # children before parents: nothing later lies inside an earlier unit
+            assert earlier and not later.startswith(earlier + ".")
+    # every parameter in exactly one group (ignored ones in none) ...
+    groups = [p for e in plan.entries for p in e.param_fqns]
+    all_params = [n for n, _ in model.named_parameters()]
+    assert len(groups) == len(set(groups))
+    assert sorted(groups + list(plan.ignored_param_fqns)) == sorted(all_params)
+    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
+    assert {n for n, p in model.named_parameters() if id(p) in ignored_ids} == set(
+        plan.ignored_param_fqns
+    )
+    # ... namely the group of its lowest planned ancestor
+    for entry in plan.entries:
+        for p in entry.param_fqns:
+            owner = p.rsplit(".", 1)[0] if "." in p else ""
+            ancestors = [f for f in fqns if f == "" or owner == f or owner.startswith(f + ".")]
+            assert max(ancestors, key=lambda f: (f != "", f.count("."), len(f))) == (
+                entry.module_fqn
+            )
+
+
+# --- examples and rules ------------------------------------------------------------------------
+
+
+def nested_sequential():
+    return nn.Sequential(
+        nn.Linear(5, 5), nn.Linear(5, 5), nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
+    )
+
+
+def test_plan_nested_sequential_examples():
+    size40 = functools.partial(W.size_based_auto_wrap_policy, min_num_params=40)
+    plan = build_wrap_plan(nested_sequential(), size40, root_kwargs={"k": 1})
+    assert plan.targets == [("2", {"k": 1}), ("", {"k": 1})]
+    assert plan.entries[0].param_fqns == ("2.0.weight", "2.0.bias", "2.1.weight", "2.1.bias")
+    assert plan.entries[1].param_fqns == ("0.weight", "0.bias", "1.weight", "1.bias")
+    always = build_wrap_plan(nested_sequential(), W.always_wrap_policy)
+    assert always.module_fqns == ("0", "1", "2.0", "2.1", "2", "")
+    assert build_wrap_plan(nested_sequential(), None).module_fqns == ("",)
+    model = nested_sequential()
+    plan = build_wrap_plan(model, W.always_wrap_policy, ignored_modules=[model[1], model[2][0]])
+    assert plan.module_fqns == ("0", "2.1", "2", "")
+    assert plan.ignored_param_fqns == ("1.weight", "1.bias", "2.0.weight", "2.0.bias")
+    plan = build_wrap_plan(model, W.ModuleWrapPolicy({nn.Linear}), ignored_params=[model[0].bias])
+    assert plan.targets[0] == ("0", {"auto_wrap_policy": None})
+    assert plan.entries[0].param_fqns == ("0.weight",)
+    assert plan.ignored_param_fqns == ("0.bias",)
+    resolved = plan.resolve(model)
+    assert resolved[0][0] is model[0] and resolved[-1][0] is model
+
+
+def test_plan_is_frozen_and_read_only():
+    plan = build_wrap_plan(nested_sequential(), W.always_wrap_policy, root_kwargs={"a": 1})
+    with pytest.raises(AttributeError):
+        plan.entries = ()
+    with pytest.raises(TypeError):
+        plan.entries[0].kwargs["a"] = 2
+    plan.targets[0][1]["a"] = 3  # a fresh dict each time
+    assert plan.targets[0][1]["a"] == 1
+    assert isinstance(plan.entries[0], WrapPlanEntry)
+
+
+def snapshot(model: nn.Module):
+    return [
+        (
+            name,
+            id(m),
+            sorted(m.__dict__),
+            len(m._forward_pre_hooks),
+            len(m._forward_hooks),
+            [(n, id(p), p.requires_grad) for n, p in m.named_parameters(recurse=False)],
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        W.ModuleWrapPolicy({nn.Linear}),
+        W.always_wrap_policy,
+        W.CustomPolicy(lambda m: isinstance(m, nn.BatchNorm1d) and {"x": 1}),
+    ],
+)
+def test_plan_does_not_modify_model_and_overrides_batchnorm(policy):
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm1d(3)))
+    before = snapshot(model)
+    mp = MixedPrecision(param_dtype=torch.float16)
+    with pytest.warns(UserWarning, match="instacnes with mixed precision disabled"):
+        plan = build_wrap_plan(model, policy, root_kwargs={"mixed_precision": mp})
+    assert snapshot(model) == before and not hasattr(model[1], "_wrap_overrides")
+    kwargs = dict(plan.targets)
+    assert kwargs["1"]["mixed_precision"] is None and kwargs["2.0"]["mixed_precision"] is None
+    assert kwargs[""]["mixed_precision"] is mp
+    if "0" in kwargs:
+        assert kwargs["0"]["mixed_precision"] is mp
+
+
+def test_plan_errors_leave_model_untouched():
+    model = nested_sequential()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="should return False/True or a kwarg dict"):
+        build_wrap_plan(model, W.CustomPolicy(lambda m: 1))
+    msg = (  # FSDP1 names every element type, sorted by repr
+        "ignored_modules expects nn.Module list elements but got types "
+        "[<class 'int'>, <class 'torch.nn.modules.linear.Linear'>]"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        build_wrap_plan(model, W.always_wrap_policy, ignored_modules=[model[0], 1])
+    msg = (
+        "ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+        "[<class 'torch.Tensor'>]"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        build_wrap_plan(model, W.always_wrap_policy, ignored_params=[torch.ones(1)])
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="0 has both parameters with requires_grad=True and False"):
+        build_wrap_plan(model, W.ModuleWrapPolicy({nn.Linear}))
+    model[0].weight.requires_grad_(True)
+    assert snapshot(model) == before
