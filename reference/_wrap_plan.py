@@ -161,7 +161,7 @@ def build_wrap_plan(
 
 
 def _check_uniform(items: list, cls: type, message: str) -> None:
-    """FSDP1's check on ``ignored_modules`` / ``ignored_states``: ``ValueError`` naming the types."""
+    """FSDP1's check of ``ignored_modules`` / ``ignored_states``: ``ValueError`` naming types."""
     if not all(isinstance(x, cls) for x in items):
         kinds = sorted({type(x) for x in items}, key=repr)
         raise ValueError(f"{message} but got types {kinds}")

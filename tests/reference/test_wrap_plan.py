@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp import _wrap_utils as torch_wrap_utils
 from torch.distributed.fsdp import wrap as TW
 
+from reference import _wrap_utils as wu
 from reference import wrap as W
 from reference._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
 
@@ -59,13 +60,15 @@ LEAVES = st.one_of(
     st.tuples(st.just("emb"), st.integers(1, 6), st.integers(1, 4)),
     st.just(("relu",)),
 )
-MODELS = st.recursive(
-    LEAVES,
-    lambda inner: st.tuples(
+
+
+def _containers(inner):
+    return st.tuples(
         st.sampled_from(["seq", "list", "block"]), st.lists(inner, min_size=1, max_size=4)
-    ),
-    max_leaves=14,
-).filter(lambda spec: spec[0] in ("seq", "list", "block"))  # the root is a container
+    )
+
+
+MODELS = _containers(st.recursive(LEAVES, _containers, max_leaves=10))  # the root: a container
 
 CLASSES = {
     "Linear": nn.Linear,
@@ -235,11 +238,13 @@ def test_plan_matches_torch_fsdp1(
 
     # Errors of the wrap step itself (W12) must match; FSDP1's own construction errors (a flat
     # parameter with mixed requires_grad outside W12's reach) are not the plan's business.
+    event(f"wrap error: {type(rec_error).__name__}, FSDP1 error: {type(torch_error).__name__}")
     if rec_error is not None:
         assert plan_error is not None and type(plan_error) is type(rec_error)
         assert str(plan_error) == str(rec_error)
         return
     assert plan_error is None, plan_error
+    event(f"units: {min(len(plan.entries), 6)}")
     assert [(fqn, dict(kw)) for fqn, kw in plan.targets[:-1]] == calls
     assert plan.entries[-1].module_fqn == "" and dict(plan.entries[-1].kwargs) == root_kwargs
 
@@ -381,3 +386,172 @@ def test_plan_errors_leave_model_untouched():
         build_wrap_plan(model, W.ModuleWrapPolicy({nn.Linear}))
     model[0].weight.requires_grad_(True)
     assert snapshot(model) == before
+
+
+# --- model zoo: torch FSDP1 vs the reference machinery with a stand-in wrapper -------------------
+
+
+class Unit(nn.Module):
+    """Stand-in wrapper: parent of the wrapped module, keeps the kwargs."""
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__()
+        self.module, self.kwargs = module, kwargs
+
+
+def _size(n, **kw):
+    return lambda lib: functools.partial(lib.size_based_auto_wrap_policy, min_num_params=n, **kw)
+
+
+def _bn_individually(lib):
+    bn = (nn.modules.batchnorm._BatchNorm,)
+    return functools.partial(lib._wrap_module_cls_individually, module_classes=bn)
+
+
+def _never(*args, **kwargs):
+    return False
+
+
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2, self.lin3 = (nn.Linear(2, 2) for _ in range(3))
+        self.lin4 = nn.Sequential()
+        self.lin4.nested_lin = nn.Linear(2, 2)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.bn1, self.bn2, self.bn3 = nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2)
+        self.sync_bn = nn.SyncBatchNorm(2)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _transformer():
+    return nn.Transformer(
+        d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16
+    )
+
+
+TRANSFORMER_LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+
+ZOO = {
+    "nested-size40": (nested_sequential, _size(40), None, False),
+    "nested-always": (nested_sequential, lambda lib: lib.always_wrap_policy, None, False),
+    "nested-always-ignored": (
+        nested_sequential,
+        lambda lib: lib.always_wrap_policy,
+        lambda m: [m[1], m[2][0]],
+        False,
+    ),
+    "nested-size40-ignored": (nested_sequential, _size(40), lambda m: [m[1], m[2][0]], False),
+    "mymodel-size0": (MyModel, _size(0), None, False),
+    "modulelist-small": (
+        lambda: nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)]),
+        _size(40),
+        None,
+        False,
+    ),
+    "modulelist-big": (lambda: nn.ModuleList([nn.Linear(10, 10)]), _size(40), None, False),
+    "mha-force-leaf": (
+        lambda: nn.Sequential(nn.Linear(10, 10), nn.MultiheadAttention(100, 1)),
+        _size(40),
+        None,
+        False,
+    ),
+    "custom-force-leaf": (
+        lambda: nn.Sequential(nn.Linear(10, 10), nn.ModuleList([nn.Linear(10, 10)])),
+        _size(40, force_leaf_modules={nn.MultiheadAttention, nn.Linear}),
+        None,
+        False,
+    ),
+    "bn-individually": (BatchNormNet, _bn_individually, None, False),
+    "bn-or-never": (
+        BatchNormNet,
+        lambda lib: functools.partial(lib._or_policy, policies=[_never, _bn_individually(lib)]),
+        None,
+        False,
+    ),
+    "bn-mp-module-policy": (
+        BatchNormNet,
+        lambda lib: lib.ModuleWrapPolicy({nn.Linear}),
+        None,
+        True,
+    ),
+    "bn-mp-never": (BatchNormNet, lambda lib: _never, None, True),
+    "bn-mp-size": (BatchNormNet, _size(3), None, True),
+    "tied-size0": (Tied, _size(0), None, False),
+    "tied-module": (Tied, lambda lib: lib.ModuleWrapPolicy({nn.Sequential}), None, False),
+    "tied-custom": (
+        Tied,
+        lambda lib: lib.CustomPolicy(
+            lambda m: isinstance(m, nn.Linear) and {"forward_prefetch": True}
+        ),
+        None,
+        False,
+    ),
+    "transformer-layers": (
+        _transformer,
+        lambda lib: functools.partial(
+            lib.transformer_auto_wrap_policy, transformer_layer_cls=TRANSFORMER_LAYERS
+        ),
+        None,
+        False,
+    ),
+    "transformer-module-mp": (
+        _transformer,
+        lambda lib: lib.ModuleWrapPolicy(TRANSFORMER_LAYERS),
+        None,
+        True,
+    ),
+    "transformer-size500": (_transformer, _size(500), None, False),
+    "transformer-size500-mp": (_transformer, _size(500), None, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ZOO))
+def test_zoo_reference_machinery_matches_torch_fsdp1(case):
+    make_model, make_policy, pick_ignored, with_mp = ZOO[case]
+    mp = MixedPrecision(param_dtype=torch.float16) if with_mp else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_model = make_model()
+        ignored = pick_ignored(torch_model) if pick_ignored else []
+        units = torch_fsdp1_units(torch_model, make_policy(TW), ignored, mp, False)
+
+        ref_model = make_model()
+        ignored = pick_ignored(ref_model) if pick_ignored else []
+        ignored_modules = {m for top in ignored for m in top.modules()}
+        ignored_params = {p for m in ignored_modules for p in m.parameters()}
+        root_kwargs = {"mixed_precision": mp}
+        wu._auto_wrap(ref_model, make_policy(W), ignored_modules, ignored_params, root_kwargs, Unit)
+
+        plan_model = make_model()
+        ignored = pick_ignored(plan_model) if pick_ignored else []
+        plan = build_wrap_plan(
+            plan_model, make_policy(W), ignored_modules=ignored, root_kwargs={"mixed_precision": mp}
+        )
+    ref_units = {"": None}
+    for name, module in ref_model.named_modules():
+        if isinstance(module, Unit):
+            ref_units[".".join(p for p in name.split(".") if p != "module")] = module
+    assert set(ref_units) == set(units)
+    assert set(plan.module_fqns) == set(units)
+    # Spec W3/W4/W5: these leave everything in the root's unit; every other case splits.
+    root_only = {"custom-force-leaf", "modulelist-small", "nested-size40-ignored"}
+    assert (len(units) == 1) == (case in root_only)
+    for fqn, unit in ref_units.items():
+        if fqn:
+            assert units[fqn].mixed_precision == (
+                unit.kwargs["mixed_precision"] or MixedPrecision()
+            )

@@ -75,8 +75,8 @@ def test_w1_size_based_thresholds_and_defaults():
     sig = inspect.signature(W.size_based_auto_wrap_policy)
     assert sig.parameters["min_num_params"].default == 100_000_000
     assert isinstance(sig.parameters["min_num_params"].default, int)
-    assert W.size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}
-    assert W.size_based_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}
+    assert {nn.ModuleList, nn.ModuleDict} == W.size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    assert {nn.MultiheadAttention} == W.size_based_auto_wrap_policy.FORCE_LEAF_MODULES
     # Defaults apply: a big MHA is not entered; a big ModuleList is not wrapped.
     mha, mlist = nn.MultiheadAttention(4, 1), nn.ModuleList()
     assert policy(module=mha, recurse=True, nonwrapped_numel=10**9) is False
@@ -446,7 +446,10 @@ def test_w10_custom_policy_answers():
 def test_w10_custom_policy_bad_answer(bad):
     model = nested_sequential()
     before = list(model.named_modules())
-    msg = f"The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, but it returned {bad}"
+    msg = (
+        "The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, but it "
+        f"returned {bad}"
+    )
     with pytest.raises(ValueError, match=re.escape(msg)):
         auto_wrap(model, W.CustomPolicy(lambda m: bad))
     assert list(model.named_modules()) == before
