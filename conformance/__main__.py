@@ -1,6 +1,7 @@
 """``python -m conformance [options] [pytest args]``: the conformance suite without nox.
 
-Equivalent to ``python -m pytest -p conformance.plugin conformance/checks [args]``.
+Equivalent to ``python -m pytest -p conformance.plugin conformance/checks [--check-dir dirs] [args]``;
+``python -m conformance --help`` lists the options (group "fsdp conformance").
 """
 
 import sys
@@ -9,11 +10,21 @@ from pathlib import Path
 import pytest
 
 
+def _check_dirs(argv: list[str]) -> list[str]:
+    dirs = []
+    for i, arg in enumerate(argv):
+        if arg == "--check-dir" and i + 1 < len(argv):
+            dirs.append(argv[i + 1])
+        elif arg.startswith("--check-dir="):
+            dirs.append(arg.split("=", 1)[1])
+    return dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    checks = str(Path(__file__).parent / "checks")
-    has_target = any(a.startswith("conformance") or "::" in a for a in argv if not a.startswith("-"))
-    return int(pytest.main(["-p", "conformance.plugin", *([] if has_target else [checks]), *argv]))
+    explicit = [a for a in argv if "::" in a or a.endswith(".py")]
+    targets = [] if explicit else [str(Path(__file__).parent / "checks"), *_check_dirs(argv)]
+    return int(pytest.main(["-p", "conformance.plugin", *targets, *argv]))
 
 
 if __name__ == "__main__":

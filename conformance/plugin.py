@@ -43,6 +43,9 @@ def pytest_addoption(parser):
     g.addoption("--reports-dir", default="reports", help="where the report files go (default reports/)")
     g.addoption("--expectations-dir", default=str(expectations.DEFAULT_DIR),
                 help="directory of <impl>[.<device>].txt expected-failure lists")
+    g.addoption("--check-dir", action="append", default=[],
+                help="another directory of check modules to collect (importable from the rootdir); "
+                     "repeatable")
 
 
 @dataclass
@@ -55,6 +58,8 @@ class CaseMeta:
     case_id: str
     device: str
     backend: str
+    nodeid: str = ""
+    check_dirs: tuple[str, ...] = ()  # extra --check-dir options needed to collect it again
 
 
 class ConformanceSession:
@@ -119,9 +124,15 @@ class ConformanceSession:
             self._group.close()
             self._group = None
 
+    def check_dirs(self) -> list[Path]:
+        return [CHECKS_DIR] + [Path(d).resolve() for d in self.config.option.check_dir]
+
     def stale_entries(self) -> list[expectations.Entry]:
         """Entries that match no case of any registered check at any world size 1-8."""
-        _import_all_checks()
+        for directory in self.check_dirs():
+            for info in pkgutil.iter_modules([str(directory)]):
+                if not info.name.startswith("_"):
+                    importlib.import_module(_module_name(self.config, directory / f"{info.name}.py"))
         universe = [case_id(s.area, s.name, ws, c) for s in CHECKS for ws in range(1, 9) for c in s.cases]
         stale = []
         for exp in self.expect.values():
@@ -131,10 +142,11 @@ class ConformanceSession:
         return stale
 
 
-def _import_all_checks():
-    for info in pkgutil.iter_modules([str(CHECKS_DIR)]):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"conformance.checks.{info.name}")
+def _module_name(config, path: Path) -> str:
+    """Import name of a check file: its path relative to the rootdir, dotted."""
+    if path.parent == CHECKS_DIR:
+        return f"conformance.checks.{path.stem}"
+    return ".".join(path.resolve().relative_to(config.rootpath).with_suffix("").parts)
 
 
 _SESSION_KEY = pytest.StashKey[ConformanceSession]()
@@ -165,14 +177,16 @@ def pytest_unconfigure(config):
 
 
 def pytest_collect_file(file_path: Path, parent):
-    if file_path.suffix == ".py" and file_path.parent == CHECKS_DIR and not file_path.name.startswith("_"):
+    if file_path.suffix != ".py" or file_path.name.startswith("_"):
+        return None
+    if file_path.parent.resolve() in _session(parent.config).check_dirs():
         return CheckFile.from_parent(parent, path=file_path)
     return None
 
 
 class CheckFile(pytest.File):
     def collect(self):
-        module_name = f"conformance.checks.{self.path.stem}"
+        module_name = _module_name(self.config, self.path)
         importlib.import_module(module_name)
         session = _session(self.config)
         for spec in [s for s in CHECKS if s.fn.__module__ == module_name]:
@@ -185,7 +199,8 @@ class CheckFile(pytest.File):
                         suffix = f"-{case}" if case else ""
                         item = CheckItem.from_parent(self, name=f"{spec.name}[{impl.name}-ws{ws}{suffix}]")
                         meta = CaseMeta(spec, impl_spec, impl.name, ws, case,
-                                        case_id(spec.area, spec.name, ws, case), device, backend)
+                                        case_id(spec.area, spec.name, ws, case), device, backend,
+                                        item.nodeid, tuple(self.config.option.check_dir))
                         item.meta = meta
                         session.meta[item.nodeid] = meta
                         entry = session.expect[(impl.name, device)].match(meta.case_id)

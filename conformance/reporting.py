@@ -26,10 +26,10 @@ _SHORT = {"pass": "p", "fail": "F", "xfail": "x", "not-supported": "n", "skip": 
 
 
 def repro_command(meta) -> str:
-    nodeid = f"conformance/checks/{meta.spec.fn.__module__.rsplit('.', 1)[-1]}.py::" \
-             f"{meta.spec.name}[{meta.impl_name}-ws{meta.world_size}{'-' + meta.case if meta.case else ''}]"
+    nodeid = meta.nodeid
+    extra = "".join(f" --check-dir {shlex.quote(d)}" for d in meta.check_dirs)
     return (f"nox -s conformance -- --impl {shlex.quote(meta.impl_spec)} "
-            f"--world-sizes {meta.world_size} {shlex.quote(nodeid)}")
+            f"--world-sizes {meta.world_size}{extra} {shlex.quote(nodeid)}")
 
 
 def _message(report, outcome: str) -> str:

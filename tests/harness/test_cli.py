@@ -1,0 +1,140 @@
+"""The conformance command end to end: plug-in loading, expectations, reports, Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SELFCHECKS = "tests/harness/selfchecks"
+
+
+def run_conformance(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "conformance", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("no-such-impl", "unknown implementation 'no-such-impl'"),
+    ("no_such_package.adapters:Impl", "ModuleNotFoundError"),
+    ("tests.harness.fake_impl:broken", "this factory is broken on purpose"),
+    ("tests.harness.fake_impl:NoSuchAttr", "AttributeError"),
+])
+def test_bad_impl_stops_the_run_before_anything_executes(tmp_path, spec, expected):
+    proc = run_conformance("--impl", spec, "--reports-dir", str(tmp_path / "r"), "--world-sizes", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert spec in out and expected in out, out
+    assert "passed" not in out and not (tmp_path / "r").exists()
+
+
+def test_bad_impl_from_environment_variable(tmp_path):
+    proc = run_conformance("--reports-dir", str(tmp_path / "r"), "--world-sizes", "1",
+                           env={"FSDP_CONFORMANCE_IMPL": "no_such_package:X"})
+    assert proc.returncode == 2 and "no_such_package:X" in proc.stdout + proc.stderr
+
+
+def test_expectation_without_reason_is_rejected(tmp_path):
+    (tmp_path / "fake.txt").write_text("selftest::passes\n")
+    proc = run_conformance("--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", SELFCHECKS,
+                           "--expectations-dir", str(tmp_path), "--world-sizes", "2")
+    assert proc.returncode == 2 and "has no reason" in proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def selftest_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("selftest")
+    (tmp / "exp").mkdir()
+    (tmp / "exp" / "fake.txt").write_text(
+        "# expected failures for the self-test\n"
+        "selftest::fails_on_rank1   rank 1 is wrong on purpose\n"
+        "selftest::passes           listed although it passes: an unexpected pass must fail the run\n"
+        "selftest::no_such_check    matches nothing: must be reported stale\n")
+    start = time.monotonic()
+    proc = run_conformance("--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", SELFCHECKS,
+                           "--expectations-dir", str(tmp / "exp"), "--world-sizes", "2",
+                           "--reports-dir", str(tmp / "reports"), "-k", "selftest and not sleeps")
+    report = json.loads((tmp / "reports" / "conformance.json").read_text())
+    cases = {c["check"]: c for c in report["cases"]}
+    return proc, report, cases, tmp, time.monotonic() - start
+
+
+def test_outcomes(selftest_run):
+    proc, report, cases, _, _ = selftest_run
+    assert proc.returncode == 1, proc.stdout
+    assert cases["fails_on_rank1"]["outcome"] == "xfail"
+    assert cases["passes"]["outcome"] == "fail" and "XPASS" in cases["passes"]["message"]
+    assert cases["needs_hsdp"]["outcome"] == "not-supported"
+    assert "hsdp" in cases["needs_hsdp"]["message"]
+    assert cases["exits_on_rank1"]["outcome"] == "fail"
+    assert "exited with code 7" in cases["exits_on_rank1"]["message"]
+
+
+def test_deadlock_case_has_both_stacks_and_is_bounded(selftest_run):
+    _, _, cases, _, _ = selftest_run
+    dead = cases["deadlocks"]
+    assert dead["outcome"] == "fail"
+    assert dead["duration_s"] < 4 + 5, dead["duration_s"]
+    ranks = {r["rank"]: r for r in dead["ranks"]}
+    assert ranks[1]["status"] == "timeout" and "selftest.py" in ranks[1]["detail"]
+    assert "stack at teardown" in ranks[0]["detail"]
+
+
+def test_checks_after_a_crash_still_run(selftest_run):
+    _, _, cases, _, _ = selftest_run
+    # the file's checks run in definition order: 'needs_hsdp' and 'sleeps' come after the crash
+    assert cases["exits_on_rank1"]["outcome"] == "fail" and cases["needs_hsdp"]["outcome"]
+
+
+def test_stale_entry_warned_and_reports_written(selftest_run):
+    proc, report, cases, tmp, _ = selftest_run
+    assert "stale expectation 'selftest::no_such_check'" in proc.stdout
+    assert [e["prefix"] for e in report["stale_expectations"]] == ["selftest::no_such_check"]
+    for name in ("conformance.json", "conformance.md", "conformance.xml"):
+        assert (tmp / "reports" / name).stat().st_size > 0
+    assert report["implementations"][0]["name"] == "fake"
+    assert report["torch"] and report["wall_time_s"] > 0 and report["world_sizes"] == [2]
+    for case in cases.values():
+        assert case["repro"].startswith("nox -s conformance -- --impl tests.harness.fake_impl:FakeImpl")
+        assert case["nodeid"] in case["repro"]
+    assert "FSDP conformance matrix" in proc.stdout and "selftest" in proc.stdout
+
+
+def _processes_with_marker(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_ctrl_c_leaves_no_worker_behind(tmp_path):
+    marker = f"FSDP_SELFTEST_MARKER={os.getpid()}_{time.time_ns()}"
+    key, value = marker.split("=")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conformance", "--impl", "tests.harness.fake_impl:FakeImpl",
+         "--check-dir", SELFCHECKS, "--world-sizes", "2", "-k", "sleeps", "-s",
+         "--reports-dir", str(tmp_path / "r")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, key: value}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_processes_with_marker(marker)) < 3:
+        time.sleep(0.5)
+    time.sleep(3)  # let the workers reach the check
+    assert len(_processes_with_marker(marker)) >= 3, "driver and two workers never appeared"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _processes_with_marker(marker):
+        time.sleep(0.5)
+    assert _processes_with_marker(marker) == [], "processes left behind after Ctrl-C"

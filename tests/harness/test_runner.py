@@ -1,0 +1,72 @@
+"""The runner's promises, shown with deliberately bad check bodies (tests/harness/bad_checks.py)."""
+
+import os
+import time
+
+import pytest
+
+from conformance.runner import protocol
+from conformance.runner.pool import WorkerGroup
+from conformance.runner.protocol import Task
+
+BAD = "tests.harness.bad_checks"
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = WorkerGroup(2, grace=2.0)
+    yield g
+    pids = g.pids()
+    g.close()
+    for pid in pids:  # no orphans
+        assert not _alive(pid), f"worker {pid} survived close()"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is as good as gone
+        return f.read().split()[2] != "Z"
+
+
+def test_healthy_check_returns_every_rank_value(group):
+    results = group.run(Task(f"{BAD}:ok", None, {}, timeout=30))
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert [r.value for r in results] == [3.0, 3.0]  # 1 + 2 summed over two ranks
+
+
+def test_group_is_reused_between_checks(group):
+    before = group.spawn_count
+    pids = group.pids()
+    for _ in range(3):
+        assert all(r.ok for r in group.run(Task(f"{BAD}:ok", None, {}, timeout=30)))
+    assert group.spawn_count == before and group.pids() == pids
+
+
+def test_deadlock_reported_with_stacks_and_next_check_runs(group):
+    timeout = 3.0
+    start = time.monotonic()
+    results = group.run(Task(f"{BAD}:deadlock", None, {}, timeout=timeout))
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 5, f"deadlock took {elapsed:.1f} s to report"
+    assert results[1].status == protocol.TIMEOUT
+    assert "deadlock" in results[1].detail and "bad_checks.py" in results[1].detail  # rank 1's stack
+    assert "stack at teardown" in results[0].detail and "File" in results[0].detail  # rank 0's stack
+    after = group.run(Task(f"{BAD}:ok", None, {}, timeout=30))  # a fresh group serves the next check
+    assert [r.status for r in after] == ["ok", "ok"]
+
+
+def test_rank_raising_reports_its_traceback(group):
+    results = group.run(Task(f"{BAD}:rank1_raises", None, {}, timeout=30))
+    assert results[0].status == protocol.OK
+    assert results[1].status == protocol.ERROR
+    assert "ValueError: rank 1 refuses" in results[1].detail
+
+
+def test_rank_dying_reports_exit_code_and_group_restarts(group):
+    results = group.run(Task(f"{BAD}:rank1_exits", None, {}, timeout=30))
+    assert results[1].status == protocol.DIED
+    assert "exited with code 7" in results[1].detail
+    assert all(r.ok for r in group.run(Task(f"{BAD}:ok", None, {}, timeout=30)))
