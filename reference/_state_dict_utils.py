@@ -306,7 +306,9 @@ def _pre_load_state_dict_hook(
         _set_use_dtensor(state)
     _lazy_init(state)
     if state._is_root:
-        _validate_load_input(state, state_dict, prefix, strict)
+        # Missing/unexpected keys are only checked when load_state_dict was called on this
+        # FSDP module itself (the hooks are always told strict=True by nn.Module).
+        _validate_load_input(state, state_dict, prefix, bool(state._load_strict))
     with _effective_type(state, load=True):
         _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
         if state._state_dict_type == FULL:

@@ -144,6 +144,7 @@ class FullyShardedDataParallel(nn.Module):
         self._device_mesh = device_mesh
         self._is_root = True
         self._lazy_init_done = False
+        self._load_strict: bool | None = None  # set while this module's load_state_dict runs
         self.training_state = TrainingState.IDLE
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
@@ -239,6 +240,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _forward(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, remembering ``strict`` for the up-front validation
+        (``nn.Module`` hands its hooks ``strict=True`` whatever the caller passed)."""
+        self._load_strict = strict
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self._load_strict = None
 
     # -- traversal --------------------------------------------------------------------------------
 

