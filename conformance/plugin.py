@@ -43,6 +43,8 @@ def pytest_addoption(parser):
     g.addoption("--reports-dir", default="reports", help="where the report files go (default reports/)")
     g.addoption("--expectations-dir", default=str(expectations.DEFAULT_DIR),
                 help="directory of <impl>[.<device>].txt expected-failure lists")
+    g.addoption("--respawn-every-check", action="store_true",
+                help="spawn a fresh process group for every check (slow; for measuring the reuse win)")
     g.addoption("--check-dir", action="append", default=[],
                 help="another directory of check modules to collect (importable from the rootdir); "
                      "repeatable")
@@ -229,6 +231,8 @@ class CheckItem(pytest.Item):
         group = session.group(meta.world_size)
         results = group.run(Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout))
         self.rank_results = results
+        if self.config.option.respawn_every_check:
+            session.close_group()
         failed = [r for r in results if r.status not in (protocol.OK, protocol.NOT_SUPPORTED)]
         if failed:
             raise CheckFailure(_format_failure(results))

@@ -37,6 +37,10 @@ LOCAL_STATE_DICT = "local-state-dict"
 DTENSOR_STATE_DICT = "dtensor-state-dict"  # state_dict() values are the sharded DTensors
 AUTO_WRAP = "auto-wrap"  # applies a wrap plan (reference.wrap policies)
 TRAINING = "training"  # forward/backward/optimizer steps
+# API-level capabilities: the adapter's ``ns`` attribute is a module exposing upstream's public API
+# with upstream's semantics, so checks of API behaviour (states, methods, errors) can call it directly.
+FSDP2_API = "fsdp2-api"  # ns.fully_shard, ns.FSDPModule, ns.MixedPrecisionPolicy, ns.CPUOffloadPolicy
+FSDP1_API = "fsdp1-api"  # ns.FullyShardedDataParallel, ns.StateDictType, the configs, ns.wrap
 
 ALL_CAPABILITIES = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
 

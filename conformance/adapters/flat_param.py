@@ -27,7 +27,7 @@ _CONFIG = {"full": "FullStateDictConfig", "sharded": "ShardedStateDictConfig",
 class FlatParamAdapter(Implementation):
     capabilities: ClassVar[frozenset[str]] = frozenset({
         base.FLAT_PARAM, base.PADDED_STORAGE, base.MIXED_PRECISION, base.FULL_STATE_DICT,
-        base.SHARDED_STATE_DICT, base.LOCAL_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
+        base.SHARDED_STATE_DICT, base.LOCAL_STATE_DICT, base.AUTO_WRAP, base.TRAINING, base.FSDP1_API,
     })
 
     def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,

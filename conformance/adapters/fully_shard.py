@@ -24,7 +24,7 @@ class FullyShardAdapter(Implementation):
     capabilities: ClassVar[frozenset[str]] = frozenset({
         base.PER_PARAM_DIM0, base.PADDED_STORAGE, base.DTENSOR_PARAMS, base.SHARD_PLACEMENT_FN,
         base.RESHARD_AFTER_FORWARD, base.MIXED_PRECISION, base.CPU_OFFLOAD, base.HSDP,
-        base.EXTENSIONS, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
+        base.EXTENSIONS, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING, base.FSDP2_API,
     })
 
     def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,
