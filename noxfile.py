@@ -40,15 +40,27 @@ def tests(session: nox.Session) -> None:
     """The project's own tests, then a conformance smoke run at world sizes 1-3."""
     install_torch(session)
     session.run("python", "-m", "pytest", "tests", *session.posargs)
-    session.run("python", "-m", "conformance", "--world-sizes", "1,2,3",
-                "--impl", "torch-fsdp2,torch-fsdp1", "--reports-dir", "reports/smoke", "-q")
+    session.run(
+        "python",
+        "-m",
+        "conformance",
+        "--world-sizes",
+        "1,2,3",
+        "--impl",
+        "torch-fsdp2,torch-fsdp1",
+        "--reports-dir",
+        "reports/smoke",
+        "-q",
+    )
 
 
 @nox.session
 def perf(session: nox.Session) -> None:
     """Benchmarks of the all-gather, padding and state-dict paths (not implemented yet)."""
-    session.log("perf: not yet implemented — the benchmark suite is tracked as its own issue. "
-                "Nothing was measured.")
+    session.log(
+        "perf: not yet implemented — the benchmark suite is tracked as its own issue. "
+        "Nothing was measured."
+    )
 
 
 @nox.session

@@ -15,7 +15,9 @@ def accelerator_count(device_type: str) -> int:
     return module.device_count() if module is not None and module.is_available() else 0
 
 
-def choose(world_size: int, device: str | None = None, backend: str | None = None) -> tuple[str, str]:
+def choose(
+    world_size: int, device: str | None = None, backend: str | None = None
+) -> tuple[str, str]:
     """``(device, backend)`` for ``world_size`` ranks.
 
     Auto: CUDA + NCCL when there are at least ``world_size`` CUDA devices, else CPU + gloo. An explicit

@@ -11,9 +11,9 @@ are reported as stale.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-import re
 
 DEFAULT_DIR = Path(__file__).parent / "expectations"
 
@@ -57,7 +57,8 @@ def parse(text: str, source: str) -> list[Entry]:
         if len(parts) < 2 or not parts[1].strip():
             raise ExpectationsError(
                 f"{source}:{lineno}: entry {parts[0]!r} has no reason; write "
-                f"'<case-id prefix> <why it is expected to fail>'")
+                f"'<case-id prefix> <why it is expected to fail>'"
+            )
         entries.append(Entry(parts[0], parts[1].strip(), f"{source}:{lineno}"))
     return entries
 

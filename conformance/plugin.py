@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from conformance import devices, expectations, reporting
-from conformance.adapters.registry import ImplementationLoadError, default_specs, load_implementation, split_specs
+from conformance.adapters.registry import (
+    ImplementationLoadError,
+    default_specs,
+    load_implementation,
+    split_specs,
+)
 from conformance.registry import CHECKS, CheckSpec, case_id
 from conformance.runner import protocol
 from conformance.runner.protocol import Task
@@ -26,28 +31,58 @@ CHECKS_DIR = Path(__file__).parent / "checks"
 
 def pytest_addoption(parser):
     g = parser.getgroup("fsdp conformance")
-    g.addoption("--impl", default=None,
-                help="comma-separated implementations: built-in names (torch-fsdp2, torch-fsdp1, "
-                     "reference, reference-fsdp1), entry-point names or package.module:attr "
-                     "(default: $FSDP_CONFORMANCE_IMPL, else torch-fsdp2,torch-fsdp1)")
-    g.addoption("--world-sizes", default=None,
-                help="comma-separated world sizes (default 1,2,3,4 on CPU; 1,2,4,8 capped at the "
-                     "GPU count on GPUs)")
-    g.addoption("--device", default=None, help="device type: cpu, cuda, xpu, hpu, ... (default: auto)")
+    g.addoption(
+        "--impl",
+        default=None,
+        help="comma-separated implementations: built-in names (torch-fsdp2, torch-fsdp1, "
+        "reference, reference-fsdp1), entry-point names or package.module:attr "
+        "(default: $FSDP_CONFORMANCE_IMPL, else torch-fsdp2,torch-fsdp1)",
+    )
+    g.addoption(
+        "--world-sizes",
+        default=None,
+        help="comma-separated world sizes (default 1,2,3,4 on CPU; 1,2,4,8 capped at the "
+        "GPU count on GPUs)",
+    )
+    g.addoption(
+        "--device", default=None, help="device type: cpu, cuda, xpu, hpu, ... (default: auto)"
+    )
     g.addoption("--backend", default=None, help="process-group backend (default: the device's)")
-    g.addoption("--check-timeout", type=float, default=60.0,
-                help="seconds a check may run before its stacks are dumped and it fails (default 60)")
-    g.addoption("--grace", type=float, default=5.0,
-                help="seconds other ranks get to finish after one rank fails (default 5)")
-    g.addoption("--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)")
-    g.addoption("--reports-dir", default="reports", help="where the report files go (default reports/)")
-    g.addoption("--expectations-dir", default=str(expectations.DEFAULT_DIR),
-                help="directory of <impl>[.<device>].txt expected-failure lists")
-    g.addoption("--respawn-every-check", action="store_true",
-                help="spawn a fresh process group for every check (slow; for measuring the reuse win)")
-    g.addoption("--check-dir", action="append", default=[],
-                help="another directory of check modules to collect (importable from the rootdir); "
-                     "repeatable")
+    g.addoption(
+        "--check-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a check may run before its stacks are dumped and it fails (default 60)",
+    )
+    g.addoption(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds other ranks get to finish after one rank fails (default 5)",
+    )
+    g.addoption(
+        "--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)"
+    )
+    g.addoption(
+        "--reports-dir", default="reports", help="where the report files go (default reports/)"
+    )
+    g.addoption(
+        "--expectations-dir",
+        default=str(expectations.DEFAULT_DIR),
+        help="directory of <impl>[.<device>].txt expected-failure lists",
+    )
+    g.addoption(
+        "--respawn-every-check",
+        action="store_true",
+        help="spawn a fresh process group for every check (slow; for measuring the reuse win)",
+    )
+    g.addoption(
+        "--check-dir",
+        action="append",
+        default=[],
+        help="another directory of check modules to collect (importable from the rootdir); "
+        "repeatable",
+    )
 
 
 @dataclass
@@ -87,10 +122,12 @@ class ConformanceSession:
             self.world_sizes = devices.default_world_sizes(opt.device)
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ImplementationLoadError(f"invalid --world-sizes {opt.world_sizes!r}")
-        self.placement = {ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes}
+        self.placement = {
+            ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes
+        }
         self.expect = {}
         exp_dir = Path(opt.expectations_dir)
-        for spec, impl in self.impls.items():
+        for impl in self.impls.values():
             for ws in self.world_sizes:
                 dev = self.placement[ws][0]
                 if (impl.name, dev) not in self.expect:
@@ -115,14 +152,20 @@ class ConformanceSession:
             else:
                 from conformance.runner.pool import WorkerGroup
 
-                self._group = WorkerGroup(world_size, device, backend,
-                                          threads_per_rank=opt.threads_per_rank, grace=opt.grace)
+                self._group = WorkerGroup(
+                    world_size,
+                    device,
+                    backend,
+                    threads_per_rank=opt.threads_per_rank,
+                    grace=opt.grace,
+                )
         return self._group
 
     def close_group(self):
         if self._group is not None:
-            self.spawns[self._group.world_size] = (
-                self.spawns.get(self._group.world_size, 0) + getattr(self._group, "spawn_count", 0))
+            self.spawns[self._group.world_size] = self.spawns.get(
+                self._group.world_size, 0
+            ) + getattr(self._group, "spawn_count", 0)
             self._group.close()
             self._group = None
 
@@ -134,8 +177,12 @@ class ConformanceSession:
         for directory in self.check_dirs():
             for info in pkgutil.iter_modules([str(directory)]):
                 if not info.name.startswith("_"):
-                    importlib.import_module(_module_name(self.config, directory / f"{info.name}.py"))
-        universe = [case_id(s.area, s.name, ws, c) for s in CHECKS for ws in range(1, 9) for c in s.cases]
+                    importlib.import_module(
+                        _module_name(self.config, directory / f"{info.name}.py")
+                    )
+        universe = [
+            case_id(s.area, s.name, ws, c) for s in CHECKS for ws in range(1, 9) for c in s.cases
+        ]
         stale = []
         for exp in self.expect.values():
             for entry in exp.entries:
@@ -199,17 +246,31 @@ class CheckFile(pytest.File):
                     device, backend = session.placement[ws]
                     for case in spec.cases:
                         suffix = f"-{case}" if case else ""
-                        item = CheckItem.from_parent(self, name=f"{spec.name}[{impl.name}-ws{ws}{suffix}]")
-                        meta = CaseMeta(spec, impl_spec, impl.name, ws, case,
-                                        case_id(spec.area, spec.name, ws, case), device, backend,
-                                        item.nodeid, tuple(self.config.option.check_dir))
+                        item = CheckItem.from_parent(
+                            self, name=f"{spec.name}[{impl.name}-ws{ws}{suffix}]"
+                        )
+                        meta = CaseMeta(
+                            spec,
+                            impl_spec,
+                            impl.name,
+                            ws,
+                            case,
+                            case_id(spec.area, spec.name, ws, case),
+                            device,
+                            backend,
+                            item.nodeid,
+                            tuple(self.config.option.check_dir),
+                        )
                         item.meta = meta
                         session.meta[item.nodeid] = meta
                         entry = session.expect[(impl.name, device)].match(meta.case_id)
                         if entry is not None:
                             entry.matched += 1
-                            item.add_marker(pytest.mark.xfail(
-                                reason=f"{entry.reason} [{entry.source}]", strict=True, run=True))
+                            item.add_marker(
+                                pytest.mark.xfail(
+                                    reason=f"{entry.reason} [{entry.source}]", strict=True, run=True
+                                )
+                            )
                         yield item
 
 
@@ -229,7 +290,9 @@ class CheckItem(pytest.Item):
             pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
         timeout = meta.spec.timeout or self.config.option.check_timeout
         group = session.group(meta.world_size)
-        results = group.run(Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout))
+        results = group.run(
+            Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout)
+        )
         self.rank_results = results
         if self.config.option.respawn_every_check:
             session.close_group()
@@ -276,11 +339,15 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_report_header(config):
     session = _session(config)
-    lines = ["fsdp conformance: implementations "
-             + ", ".join(f"{i.name} ({i.version})" for i in session.impls.values())]
-    lines.append("  world sizes " + ", ".join(
-        f"{ws} ({d}/{b})" for ws, (d, b) in session.placement.items())
-        + (" [torchrun: in-process]" if session.torchrun else ""))
+    lines = [
+        "fsdp conformance: implementations "
+        + ", ".join(f"{i.name} ({i.version})" for i in session.impls.values())
+    ]
+    lines.append(
+        "  world sizes "
+        + ", ".join(f"{ws} ({d}/{b})" for ws, (d, b) in session.placement.items())
+        + (" [torchrun: in-process]" if session.torchrun else "")
+    )
     return lines
 
 

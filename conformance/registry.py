@@ -11,10 +11,10 @@ expectations files and reports use is ``<area>::<check>[ws<N>-<case>]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-CHECKS: list["CheckSpec"] = []
+CHECKS: list[CheckSpec] = []
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,29 @@ class CheckSpec:
         return self.world_sizes is None or world_size in self.world_sizes
 
 
-def check(*, area: str, requires=(), cases: dict[str, dict] | None = None,
-          world_sizes=None, min_world_size: int = 1, timeout: float | None = None):
+def check(
+    *,
+    area: str,
+    requires=(),
+    cases: dict[str, dict] | None = None,
+    world_sizes=None,
+    min_world_size: int = 1,
+    timeout: float | None = None,
+):
     """Register the decorated function as a conformance check (see the module docstring)."""
 
     def register(fn):
-        CHECKS.append(CheckSpec(fn, area, frozenset(requires), dict(cases or {"": {}}),
-                                tuple(world_sizes) if world_sizes else None, min_world_size, timeout))
+        CHECKS.append(
+            CheckSpec(
+                fn,
+                area,
+                frozenset(requires),
+                dict(cases or {"": {}}),
+                tuple(world_sizes) if world_sizes else None,
+                min_world_size,
+                timeout,
+            )
+        )
         return fn
 
     return register

@@ -28,8 +28,10 @@ _SHORT = {"pass": "p", "fail": "F", "xfail": "x", "not-supported": "n", "skip": 
 def repro_command(meta) -> str:
     nodeid = meta.nodeid
     extra = "".join(f" --check-dir {shlex.quote(d)}" for d in meta.check_dirs)
-    return (f"nox -s conformance -- --impl {shlex.quote(meta.impl_spec)} "
-            f"--world-sizes {meta.world_size}{extra} {shlex.quote(nodeid)}")
+    return (
+        f"nox -s conformance -- --impl {shlex.quote(meta.impl_spec)} "
+        f"--world-sizes {meta.world_size}{extra} {shlex.quote(nodeid)}"
+    )
 
 
 def _message(report, outcome: str) -> str:
@@ -59,8 +61,12 @@ def case_record(report, meta, outcome: str) -> dict:
         "duration_s": round(report.duration, 4),
         "message": _message(report, outcome),
         "ranks": [
-            {"rank": r["rank"], "status": r["status"], "duration_s": round(r["duration"], 4),
-             "detail": r["detail"]}
+            {
+                "rank": r["rank"],
+                "status": r["status"],
+                "duration_s": round(r["duration"], 4),
+                "detail": r["detail"],
+            }
             for r in getattr(report, "rank_results", [])
         ],
         "repro": repro_command(meta),
@@ -88,7 +94,9 @@ def matrix_lines(records) -> list[str]:
     if not rows:
         return ["(no cases ran)"]
     header = ["area", "implementation"] + [f"ws{ws}" for ws in columns]
-    table = [[area, impl] + [_cell(cells[(area, impl, ws)]) for ws in columns] for area, impl in rows]
+    table = [
+        [area, impl] + [_cell(cells[(area, impl, ws)]) for ws in columns] for area, impl in rows
+    ]
     total = Counter()
     for c in cells.values():
         total.update(c)
@@ -112,7 +120,9 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
         for rec in failures[:20]:
             tr.write_line(f"  {rec['repro']}")
     for entry in stale:
-        tr.write_line(f"WARNING stale expectation {entry.prefix!r} ({entry.source}) matches no case")
+        tr.write_line(
+            f"WARNING stale expectation {entry.prefix!r} ({entry.source}) matches no case"
+        )
     spawns = ", ".join(f"ws{ws}: {n}" for ws, n in sorted(session.spawns.items()))
     tr.write_line(f"wall time {wall:.1f} s; process groups spawned: {spawns or 'none'}")
     tr.write_line(f"reports: {session.config.option.reports_dir}/conformance.{{json,md,xml}}")
@@ -129,11 +139,17 @@ def _environment(session, wall: float) -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "world_sizes": session.world_sizes,
-        "placement": {str(ws): {"device": d, "backend": b} for ws, (d, b) in session.placement.items()},
+        "placement": {
+            str(ws): {"device": d, "backend": b} for ws, (d, b) in session.placement.items()
+        },
         "torchrun": session.torchrun,
         "implementations": [
-            {"spec": spec, "name": impl.name, "version": impl.version,
-             "capabilities": sorted(impl.capabilities)}
+            {
+                "spec": spec,
+                "name": impl.name,
+                "version": impl.version,
+                "capabilities": sorted(impl.capabilities),
+            }
             for spec, impl in session.impls.items()
         ],
         "process_group_spawns": {str(k): v for k, v in session.spawns.items()},
@@ -146,28 +162,42 @@ def write_files(session, wall: float, stale, directory: Path) -> None:
     records = list(session.records.values())
     env = _environment(session, wall)
     summary = Counter(r["outcome"] for r in records)
-    doc = {**env, "summary": {o: summary[o] for o in OUTCOMES},
-           "stale_expectations": [{"prefix": e.prefix, "source": e.source} for e in stale],
-           "cases": records}
+    doc = {
+        **env,
+        "summary": {o: summary[o] for o in OUTCOMES},
+        "stale_expectations": [{"prefix": e.prefix, "source": e.source} for e in stale],
+        "cases": records,
+    }
     (directory / "conformance.json").write_text(json.dumps(doc, indent=1))
     (directory / "conformance.md").write_text(markdown(env, records, stale))
 
 
 def markdown(env: dict, records: list[dict], stale) -> str:
     impls = "; ".join(f"{i['name']} ({i['version']})" for i in env["implementations"])
-    placement = ", ".join(f"ws{ws} {p['device']}/{p['backend']}" for ws, p in env["placement"].items())
+    placement = ", ".join(
+        f"ws{ws} {p['device']}/{p['backend']}" for ws, p in env["placement"].items()
+    )
     out = [
-        "# FSDP conformance report", "",
+        "# FSDP conformance report",
+        "",
         f"- created: {env['created']}, wall time {env['wall_time_s']} s",
         f"- torch {env['torch']}, Python {env['python']}, {env['platform']}",
         f"- implementations: {impls}",
         f"- world sizes: {placement}",
-        f"- command: `{env['command']}`", "",
-        "## Matrix", "", "```",
-        *matrix_lines(records), "```", "",
+        f"- command: `{env['command']}`",
+        "",
+        "## Matrix",
+        "",
+        "```",
+        *matrix_lines(records),
+        "```",
+        "",
     ]
-    for title, outcome in (("Failures", "fail"), ("Expected failures", "xfail"),
-                           ("Not supported", "not-supported")):
+    for title, outcome in (
+        ("Failures", "fail"),
+        ("Expected failures", "xfail"),
+        ("Not supported", "not-supported"),
+    ):
         chosen = [r for r in records if r["outcome"] == outcome]
         if not chosen:
             continue
@@ -181,5 +211,7 @@ def markdown(env: dict, records: list[dict], stale) -> str:
                 out += ["", "```", rec["message"].rstrip(), "```"]
             out.append("")
     if stale:
-        out += ["## Stale expectations", ""] + [f"- `{e.prefix}` ({e.source})" for e in stale] + [""]
+        out += (
+            ["## Stale expectations", ""] + [f"- `{e.prefix}` ({e.source})" for e in stale] + [""]
+        )
     return "\n".join(out)

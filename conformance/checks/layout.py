@@ -44,8 +44,11 @@ _DIM0 = {
     "one": lambda ws: 1,
 }
 _TRAILING = {"1d": (), "2d": (3,), "3d": (2, 3)}
-SHAPE_CASES = {f"{rank}-dim0-{rel}": {"rel": rel, "trailing": trailing}
-               for rel in _DIM0 for rank, trailing in _TRAILING.items()}
+SHAPE_CASES = {
+    f"{rank}-dim0-{rel}": {"rel": rel, "trailing": trailing}
+    for rel in _DIM0
+    for rank, trailing in _TRAILING.items()
+}
 # zero-size parameters: a zero dim 0, and a zero trailing dim (numel 0 with rows to split)
 SHAPE_CASES |= {
     "zero-dim0-2d": {"shape": (0, 4)},
@@ -72,18 +75,23 @@ def per_param_dim0_local_shard(ctx, **case):
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
     model = ctx.impl.shard(model, ctx)
     views = ctx.impl.local_shards(model)
-    assert set(views) == set(originals), f"{ctx.where()} parameter names {sorted(views)} != {sorted(originals)}"
+    assert set(views) == set(originals), (
+        f"{ctx.where()} parameter names {sorted(views)} != {sorted(originals)}"
+    )
     for fqn, orig in originals.items():
         start, end = dim0_rows(orig.shape[0], ctx.world_size, ctx.rank)
         local = views[fqn].local
         expected_shape = (end - start, *orig.shape[1:])
         assert tuple(local.shape) == expected_shape, (
             f"{ctx.where()} {fqn} {tuple(orig.shape)}: local shard shape {tuple(local.shape)}, "
-            f"expected {expected_shape} (rows {start}:{end})")
+            f"expected {expected_shape} (rows {start}:{end})"
+        )
         assert torch.equal(local.cpu(), orig[start:end]), (
-            f"{ctx.where()} {fqn} {tuple(orig.shape)}: local shard values differ from rows {start}:{end}")
+            f"{ctx.where()} {fqn} {tuple(orig.shape)}: local shard values differ from rows {start}:{end}"
+        )
         assert views[fqn].global_shape == tuple(orig.shape), (
-            f"{ctx.where()} {fqn}: global shape {views[fqn].global_shape}, expected {tuple(orig.shape)}")
+            f"{ctx.where()} {fqn}: global shape {views[fqn].global_shape}, expected {tuple(orig.shape)}"
+        )
 
 
 @check(area="layout", requires={base.PER_PARAM_DIM0, base.PADDED_STORAGE}, cases=SHAPE_CASES)
@@ -102,16 +110,20 @@ def per_param_dim0_padded_storage(ctx, **case):
         start, end = dim0_rows(dim0, ctx.world_size, ctx.rank)
         assert padded.dim() == 1 and padded.numel() == chunk * row, (
             f"{ctx.where()} {fqn} {tuple(orig.shape)}: padded storage has shape {tuple(padded.shape)}, "
-            f"expected ({chunk * row},) = ceil({dim0}/{ctx.world_size}) * {row}")
+            f"expected ({chunk * row},) = ceil({dim0}/{ctx.world_size}) * {row}"
+        )
         data = (end - start) * row
         assert torch.equal(padded[:data].cpu(), orig[start:end].reshape(-1)), (
-            f"{ctx.where()} {fqn}: the first {data} elements of the padded storage are not rows {start}:{end}")
+            f"{ctx.where()} {fqn}: the first {data} elements of the padded storage are not rows {start}:{end}"
+        )
         assert not padded[data:].any(), (
             f"{ctx.where()} {fqn}: padding elements {data}:{padded.numel()} are not all zero: "
-            f"{padded[data:].tolist()[:8]}")
+            f"{padded[data:].tolist()[:8]}"
+        )
         if views[fqn].local.numel():
-            assert views[fqn].local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr(), (
-                f"{ctx.where()} {fqn}: the local shard does not alias the padded storage")
+            assert (
+                views[fqn].local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
+            ), f"{ctx.where()} {fqn}: the local shard does not alias the padded storage"
 
 
 @check(area="layout", requires={base.PER_PARAM_DIM0, base.DTENSOR_PARAMS}, cases=SHAPE_CASES)
@@ -121,20 +133,31 @@ def per_param_dim0_dtensor_metadata(ctx, **case):
 
     shapes = _shapes(ctx, **case)
     model = ParamBag(shapes)
-    originals = {n: (tuple(p.shape), p.stride(), p.requires_grad) for n, p in model.named_parameters()}
+    originals = {
+        n: (tuple(p.shape), p.stride(), p.requires_grad) for n, p in model.named_parameters()
+    }
     model.p0.requires_grad_(False)
     originals["p0"] = (*originals["p0"][:2], False)
     model = ctx.impl.shard(model, ctx)
     for fqn, param in model.named_parameters():
         shape, stride, requires_grad = originals[fqn]
-        assert isinstance(param, DTensor), f"{ctx.where()} {fqn}: registered as {type(param).__name__}"
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} {fqn}: registered as {type(param).__name__}"
+        )
         assert isinstance(param, torch.nn.Parameter), f"{ctx.where()} {fqn}: not an nn.Parameter"
-        assert tuple(param.shape) == shape, f"{ctx.where()} {fqn}: size {tuple(param.shape)} != {shape}"
+        assert tuple(param.shape) == shape, (
+            f"{ctx.where()} {fqn}: size {tuple(param.shape)} != {shape}"
+        )
         assert param.stride() == stride, f"{ctx.where()} {fqn}: stride {param.stride()} != {stride}"
-        assert tuple(param.placements) == (Shard(0),), f"{ctx.where()} {fqn}: placements {param.placements}"
-        assert param.device_mesh.size() == ctx.world_size, f"{ctx.where()} {fqn}: mesh {param.device_mesh}"
+        assert tuple(param.placements) == (Shard(0),), (
+            f"{ctx.where()} {fqn}: placements {param.placements}"
+        )
+        assert param.device_mesh.size() == ctx.world_size, (
+            f"{ctx.where()} {fqn}: mesh {param.device_mesh}"
+        )
         assert param.requires_grad == requires_grad, (
-            f"{ctx.where()} {fqn}: requires_grad {param.requires_grad}, expected {requires_grad}")
+            f"{ctx.where()} {fqn}: requires_grad {param.requires_grad}, expected {requires_grad}"
+        )
 
 
 @check(area="layout", requires={base.FLAT_PARAM}, cases=SHAPE_CASES)
@@ -150,13 +173,18 @@ def flat_param_shard(ctx, **case):
     flats = ctx.impl.flat_shards(model)
     assert len(flats) == 1, f"{ctx.where()} expected one flat parameter, got {len(flats)}"
     fqns, shard = flats[0]
-    assert list(fqns) == list(originals), f"{ctx.where()} flattened order {fqns} != {list(originals)}"
+    assert list(fqns) == list(originals), (
+        f"{ctx.where()} flattened order {fqns} != {list(originals)}"
+    )
     assert shard.dim() == 1 and shard.numel() == chunk, (
-        f"{ctx.where()} flat shard shape {tuple(shard.shape)}, expected ({chunk},) = ceil({flat.numel()}/{ctx.world_size})")
+        f"{ctx.where()} flat shard shape {tuple(shard.shape)}, expected ({chunk},) = ceil({flat.numel()}/{ctx.world_size})"
+    )
     assert torch.equal(shard[: end - start].cpu(), flat[start:end]), (
-        f"{ctx.where()} flat shard is not elements {start}:{end} of the flattened parameters")
-    assert not shard[end - start:].any(), (
-        f"{ctx.where()} padding {end - start}:{chunk} of the flat shard is not zero")
+        f"{ctx.where()} flat shard is not elements {start}:{end} of the flattened parameters"
+    )
+    assert not shard[end - start :].any(), (
+        f"{ctx.where()} padding {end - start}:{chunk} of the flat shard is not zero"
+    )
 
 
 @check(area="layout", requires={base.FLAT_PARAM}, cases=SHAPE_CASES)
@@ -171,11 +199,14 @@ def flat_param_views(ctx, **case):
     offset = 0
     for fqn, orig in originals.items():
         lo, hi = max(start, offset), min(end, offset + orig.numel())
-        expected = orig.reshape(-1)[lo - offset: hi - offset] if lo < hi else orig.reshape(-1)[:0]
+        expected = orig.reshape(-1)[lo - offset : hi - offset] if lo < hi else orig.reshape(-1)[:0]
         view = views[fqn]
         assert torch.equal(view.local.cpu(), expected), (
             f"{ctx.where()} {fqn}: local piece has {view.local.numel()} elements "
-            f"{view.local.tolist()[:6]}, expected elements {lo - offset}:{hi - offset} of the parameter")
+            f"{view.local.tolist()[:6]}, expected elements {lo - offset}:{hi - offset} of the parameter"
+        )
         if lo < hi:
-            assert view.offset == lo - offset, f"{ctx.where()} {fqn}: offset {view.offset} != {lo - offset}"
+            assert view.offset == lo - offset, (
+                f"{ctx.where()} {fqn}: offset {view.offset} != {lo - offset}"
+            )
         offset += orig.numel()

@@ -23,7 +23,9 @@ def _implementation(spec: str | None):
     return _IMPLS[spec]
 
 
-def execute(task: Task, rank: int, world_size: int, device: torch.device, backend: str) -> RankResult:
+def execute(
+    task: Task, rank: int, world_size: int, device: torch.device, backend: str
+) -> RankResult:
     from conformance.context import CheckContext
 
     start = time.perf_counter()

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from conformance.runner import protocol
 from conformance.runner.protocol import RankResult, Task
 
-_LIVE_GROUPS: set["WorkerGroup"] = set()
+_LIVE_GROUPS: set[WorkerGroup] = set()
 
 
 def free_port() -> int:
@@ -53,8 +53,16 @@ class WorkerGroupError(RuntimeError):
 class WorkerGroup:
     """``world_size`` worker processes joined in one process group."""
 
-    def __init__(self, world_size: int, device: str = "cpu", backend: str = "gloo", *,
-                 threads_per_rank: int = 1, grace: float = 5.0, start_timeout: float = 120.0):
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        backend: str = "gloo",
+        *,
+        threads_per_rank: int = 1,
+        grace: float = 5.0,
+        start_timeout: float = 120.0,
+    ):
         self.world_size = world_size
         self.device = device
         self.backend = backend
@@ -81,8 +89,17 @@ class WorkerGroup:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_entry,
-                args=(rank, self.world_size, port, self.device, self.backend, child_conn,
-                      self._stack_path(rank), self.threads_per_rank, self.start_timeout),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    self.device,
+                    self.backend,
+                    child_conn,
+                    self._stack_path(rank),
+                    self.threads_per_rank,
+                    self.start_timeout,
+                ),
                 name=f"fsdp-conformance-rank{rank}",
                 daemon=True,
             )
@@ -98,11 +115,15 @@ class WorkerGroup:
                 self.kill()
                 raise WorkerGroupError(
                     f"rank {rank} of a world-size-{self.world_size} {self.backend} group did not "
-                    f"come up within {self.start_timeout:.0f} s ({reason})")
+                    f"come up within {self.start_timeout:.0f} s ({reason})"
+                )
             try:
                 msg = conn.recv()
             except EOFError:
-                msg = ("failed", _exit_reason(self._procs[rank].join(5) or self._procs[rank].exitcode))
+                msg = (
+                    "failed",
+                    _exit_reason(self._procs[rank].join(5) or self._procs[rank].exitcode),
+                )
             if msg[0] != "ready":
                 self.kill()
                 raise WorkerGroupError(f"rank {rank} failed to join the process group: {msg[1]}")
@@ -149,19 +170,24 @@ class WorkerGroup:
             limit = deadline
             if first_error_at is not None:
                 limit = min(deadline, first_error_at + self.grace)
-            ready = wait([self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
-                         timeout=max(0.0, limit - time.monotonic()))
+            ready = wait(
+                [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
+                timeout=max(0.0, limit - time.monotonic()),
+            )
             for rank in pending:
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready:
                     try:
                         results[rank] = conn.recv()
                     except (EOFError, OSError):
-                        results[rank] = RankResult(rank, protocol.DIED, detail=_exit_reason(
-                            proc.join(2) or proc.exitcode))
+                        results[rank] = RankResult(
+                            rank, protocol.DIED, detail=_exit_reason(proc.join(2) or proc.exitcode)
+                        )
                 elif proc.sentinel in ready:
                     proc.join(2)
-                    results[rank] = RankResult(rank, protocol.DIED, detail=_exit_reason(proc.exitcode))
+                    results[rank] = RankResult(
+                        rank, protocol.DIED, detail=_exit_reason(proc.exitcode)
+                    )
                 else:
                     continue
                 if not results[rank].ok and first_error_at is None:
@@ -169,15 +195,22 @@ class WorkerGroup:
             if len(results) < self.world_size and time.monotonic() >= limit:
                 stuck = [r for r in range(self.world_size) if r not in results]
                 stacks = self.dump_stacks()
-                why = (f"did not finish within {task.timeout:g} s" if time.monotonic() >= deadline else
-                       f"still running {self.grace:g} s after another rank failed")
+                why = (
+                    f"did not finish within {task.timeout:g} s"
+                    if time.monotonic() >= deadline
+                    else f"still running {self.grace:g} s after another rank failed"
+                )
                 for rank in range(self.world_size):
                     if rank in stuck:
                         results[rank] = RankResult(
-                            rank, protocol.TIMEOUT, detail=f"rank {rank} {why}; its stack:\n{stacks[rank]}")
+                            rank,
+                            protocol.TIMEOUT,
+                            detail=f"rank {rank} {why}; its stack:\n{stacks[rank]}",
+                        )
                     else:  # finished its part: its stack shows where it waits instead
-                        results[rank].detail += (f"\n(rank {rank} had returned; its stack at teardown:)\n"
-                                                 f"{stacks[rank]}").lstrip("\n")
+                        results[rank].detail += (
+                            f"\n(rank {rank} had returned; its stack at teardown:)\n{stacks[rank]}"
+                        ).lstrip("\n")
                 torn_down = True
         if torn_down or any(r.status == protocol.DIED for r in results.values()):
             self.kill()  # respawned lazily by the next run()

@@ -26,8 +26,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def worker_main(rank: int, world_size: int, port: int, device: str, backend: str, conn,
-                stack_path: str, threads: int, init_timeout: float) -> None:
+def worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    backend: str,
+    conn,
+    stack_path: str,
+    threads: int,
+    init_timeout: float,
+) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
@@ -41,7 +50,9 @@ def worker_main(rank: int, world_size: int, port: int, device: str, backend: str
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type != "cpu":
-        torch.get_device_module(dev.type).set_device(rank % torch.get_device_module(dev.type).device_count())
+        torch.get_device_module(dev.type).set_device(
+            rank % torch.get_device_module(dev.type).device_count()
+        )
         dev = torch.device(dev.type, torch.get_device_module(dev.type).current_device())
     try:
         dist.init_process_group(

@@ -15,18 +15,29 @@ SELFCHECKS = "tests/harness/selfchecks"
 
 
 def run_conformance(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "conformance", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "conformance", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("no-such-impl", "unknown implementation 'no-such-impl'"),
-    ("no_such_package.adapters:Impl", "ModuleNotFoundError"),
-    ("tests.harness.fake_impl:broken", "this factory is broken on purpose"),
-    ("tests.harness.fake_impl:NoSuchAttr", "AttributeError"),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("no-such-impl", "unknown implementation 'no-such-impl'"),
+        ("no_such_package.adapters:Impl", "ModuleNotFoundError"),
+        ("tests.harness.fake_impl:broken", "this factory is broken on purpose"),
+        ("tests.harness.fake_impl:NoSuchAttr", "AttributeError"),
+    ],
+)
 def test_bad_impl_stops_the_run_before_anything_executes(tmp_path, spec, expected):
-    proc = run_conformance("--impl", spec, "--reports-dir", str(tmp_path / "r"), "--world-sizes", "1")
+    proc = run_conformance(
+        "--impl", spec, "--reports-dir", str(tmp_path / "r"), "--world-sizes", "1"
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert spec in out and expected in out, out
@@ -34,15 +45,28 @@ def test_bad_impl_stops_the_run_before_anything_executes(tmp_path, spec, expecte
 
 
 def test_bad_impl_from_environment_variable(tmp_path):
-    proc = run_conformance("--reports-dir", str(tmp_path / "r"), "--world-sizes", "1",
-                           env={"FSDP_CONFORMANCE_IMPL": "no_such_package:X"})
+    proc = run_conformance(
+        "--reports-dir",
+        str(tmp_path / "r"),
+        "--world-sizes",
+        "1",
+        env={"FSDP_CONFORMANCE_IMPL": "no_such_package:X"},
+    )
     assert proc.returncode == 2 and "no_such_package:X" in proc.stdout + proc.stderr
 
 
 def test_expectation_without_reason_is_rejected(tmp_path):
     (tmp_path / "fake.txt").write_text("selftest::passes\n")
-    proc = run_conformance("--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", SELFCHECKS,
-                           "--expectations-dir", str(tmp_path), "--world-sizes", "2")
+    proc = run_conformance(
+        "--impl",
+        "tests.harness.fake_impl:FakeImpl",
+        "--check-dir",
+        SELFCHECKS,
+        "--expectations-dir",
+        str(tmp_path),
+        "--world-sizes",
+        "2",
+    )
     assert proc.returncode == 2 and "has no reason" in proc.stdout + proc.stderr
 
 
@@ -54,11 +78,23 @@ def selftest_run(tmp_path_factory):
         "# expected failures for the self-test\n"
         "selftest::fails_on_rank1   rank 1 is wrong on purpose\n"
         "selftest::passes           listed although it passes: an unexpected pass must fail the run\n"
-        "selftest::no_such_check    matches nothing: must be reported stale\n")
+        "selftest::no_such_check    matches nothing: must be reported stale\n"
+    )
     start = time.monotonic()
-    proc = run_conformance("--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", SELFCHECKS,
-                           "--expectations-dir", str(tmp / "exp"), "--world-sizes", "2",
-                           "--reports-dir", str(tmp / "reports"), "-k", "selftest and not sleeps")
+    proc = run_conformance(
+        "--impl",
+        "tests.harness.fake_impl:FakeImpl",
+        "--check-dir",
+        SELFCHECKS,
+        "--expectations-dir",
+        str(tmp / "exp"),
+        "--world-sizes",
+        "2",
+        "--reports-dir",
+        str(tmp / "reports"),
+        "-k",
+        "selftest and not sleeps",
+    )
     report = json.loads((tmp / "reports" / "conformance.json").read_text())
     cases = {c["check"]: c for c in report["cases"]}
     return proc, report, cases, tmp, time.monotonic() - start
@@ -100,7 +136,9 @@ def test_stale_entry_warned_and_reports_written(selftest_run):
     assert report["implementations"][0]["name"] == "fake"
     assert report["torch"] and report["wall_time_s"] > 0 and report["world_sizes"] == [2]
     for case in cases.values():
-        assert case["repro"].startswith("nox -s conformance -- --impl tests.harness.fake_impl:FakeImpl")
+        assert case["repro"].startswith(
+            "nox -s conformance -- --impl tests.harness.fake_impl:FakeImpl"
+        )
         assert case["nodeid"] in case["repro"]
     assert "FSDP conformance matrix" in proc.stdout and "selftest" in proc.stdout
 
@@ -122,11 +160,29 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     marker = f"FSDP_SELFTEST_MARKER={os.getpid()}_{time.time_ns()}"
     key, value = marker.split("=")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "conformance", "--impl", "tests.harness.fake_impl:FakeImpl",
-         "--check-dir", SELFCHECKS, "--world-sizes", "2", "-k", "sleeps", "-s",
-         "--reports-dir", str(tmp_path / "r")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, key: value}, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "--impl",
+            "tests.harness.fake_impl:FakeImpl",
+            "--check-dir",
+            SELFCHECKS,
+            "--world-sizes",
+            "2",
+            "-k",
+            "sleeps",
+            "-s",
+            "--reports-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, key: value},
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(_processes_with_marker(marker)) < 3:
         time.sleep(0.5)

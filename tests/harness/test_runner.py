@@ -52,9 +52,15 @@ def test_deadlock_reported_with_stacks_and_next_check_runs(group):
     elapsed = time.monotonic() - start
     assert elapsed < timeout + 5, f"deadlock took {elapsed:.1f} s to report"
     assert results[1].status == protocol.TIMEOUT
-    assert "deadlock" in results[1].detail and "bad_checks.py" in results[1].detail  # rank 1's stack
-    assert "stack at teardown" in results[0].detail and "File" in results[0].detail  # rank 0's stack
-    after = group.run(Task(f"{BAD}:ok", None, {}, timeout=30))  # a fresh group serves the next check
+    assert (
+        "deadlock" in results[1].detail and "bad_checks.py" in results[1].detail
+    )  # rank 1's stack
+    assert (
+        "stack at teardown" in results[0].detail and "File" in results[0].detail
+    )  # rank 0's stack
+    after = group.run(
+        Task(f"{BAD}:ok", None, {}, timeout=30)
+    )  # a fresh group serves the next check
     assert [r.status for r in after] == ["ok", "ok"]
 
 
