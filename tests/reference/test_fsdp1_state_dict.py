@@ -84,7 +84,7 @@ def _st_view(value):
 
 
 def _clone_sd(sd):
-    """A copy whose tensors share no storage with the model (LOCAL values are views upstream too)."""
+    """A copy sharing no storage with the model (LOCAL values are views, upstream too)."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     out = {}
@@ -252,3 +252,299 @@ def _check_sharded_rule(rank, ws, ref, RF):
 
 def test_layouts_values_round_trips_against_torch():
     run_on_ranks(_body_layouts, 2)
+
+
+# -- body 2: buffers, mixed precision, ignored modules, non-FSDP roots ---------------------------
+
+
+class TwoBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 10)
+        self.register_buffer("b1", torch.ones(3))
+        self.register_buffer("b2", torch.full((2,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _multibuffer(fsdp, api, **kw):
+    """Upstream's multibuffer model plus two buffers of distinct values on the root."""
+    torch.manual_seed(3)
+    mp = api.MixedPrecision(torch.float16, torch.float16, torch.float16)
+    seq = nn.Sequential(TwoBuffers(), nn.BatchNorm1d(10), nn.Linear(10, 10))
+    seq[1] = fsdp(seq[1], mixed_precision=api.MixedPrecision(), **kw)
+    seq[0].lin = fsdp(seq[0].lin, mixed_precision=mp, **kw)
+    return fsdp(seq, mixed_precision=mp, **kw)
+
+
+def _body_buffers(rank, ws):
+    (ref, RF), (tfsdp, TF) = _impls()
+    TFSDP = tfsdp.FullyShardedDataParallel
+    for use_orig in (False, True):
+        where = f"rank {rank} use_orig_params={use_orig}"
+        ours = _multibuffer(RF, ref, use_orig_params=use_orig)
+        theirs = _multibuffer(TF, tfsdp, use_orig_params=use_orig)
+        # Training parity under fp16 compute (S13): loss is fp16, the dict is fp32.
+        for model in (ours, theirs):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(2):
+                torch.manual_seed(200 + 10 * rank + step)
+                loss = model(torch.randn(4, 10)).sum()
+                assert loss.dtype == torch.float16, f"{where}: loss {loss.dtype}"
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        sd_ours, sd_theirs = _full_sd(ref, RF, ours), _full_sd(tfsdp, TFSDP, theirs)
+        assert list(sd_ours) == list(sd_theirs), f"{where}: {list(sd_ours)}"
+        for key, expected in sd_theirs.items():
+            got = sd_ours[key]
+            assert got.dtype == expected.dtype, f"{where}: {key} {got.dtype} != {expected.dtype}"
+            assert torch.allclose(got.float(), expected.float(), atol=2e-3), f"{where}: {key}"
+        # S12: each buffer keeps its own value, saved in fp32 while the module keeps fp16.
+        assert torch.equal(sd_ours["0.b1"], torch.ones(3)), sd_ours["0.b1"]
+        assert torch.equal(sd_ours["0.b2"], torch.full((2,), 2.0)), sd_ours["0.b2"]
+        assert ours.module[0].b1.dtype == torch.float16, where
+        assert ours.module[1].module.running_mean.dtype == torch.float32, where  # MP disabled
+        # SHARDED/LOCAL agree on buffers too.
+        for tname in ("SHARDED_STATE_DICT",) + (() if use_orig else ("LOCAL_STATE_DICT",)):
+            with RF.state_dict_type(ours, getattr(ref.StateDictType, tname)):
+                s1 = ours.state_dict()
+            with TFSDP.state_dict_type(theirs, getattr(tfsdp.StateDictType, tname)):
+                s2 = theirs.state_dict()
+            assert list(s1) == list(s2), f"{where} {tname}: {list(s1)} != {list(s2)}"
+            for key in ("0.b1", "0.b2", "1.running_mean", "1.num_batches_tracked"):
+                assert s1[key].dtype == s2[key].dtype and torch.equal(s1[key], s2[key]), key
+    _check_ignored_modules(rank, ref, RF, tfsdp, TF)
+    _check_non_fsdp_root(rank, ref, RF, tfsdp, TF)
+
+
+def _check_ignored_modules(rank, ref, RF, tfsdp, TF):
+    """S14: keys carry the prefix; ignored parameters and buffers are the live tensors."""
+    built = []
+    for fsdp in (RF, TF):
+        torch.manual_seed(4)
+        m = Model()
+        m.inner = fsdp(m.inner)
+        built.append(fsdp(m, ignored_modules=[m.outer]))
+    ours, theirs = built
+    sd_ours = ours.state_dict(prefix="foo.")
+    sd_theirs = theirs.state_dict(prefix="foo.")
+    assert list(sd_ours) == list(sd_theirs), f"{list(sd_ours)} != {list(sd_theirs)}"
+    live = ours.module
+    assert sd_ours["foo.outer.weight"].data_ptr() == live.outer.weight.data_ptr()
+    assert sd_ours["foo.buffer"].data_ptr() == live.buffer.data_ptr()
+    assert all(torch.equal(sd_ours[k], sd_theirs[k]) for k in sd_theirs)
+    plain = Model()
+    plain.load_state_dict({k[len("foo.") :]: v for k, v in sd_ours.items()}, strict=True)
+
+
+def _check_non_fsdp_root(rank, ref, RF, tfsdp, TF):
+    """S3 with a non-FSDP root: other ranks keep the non-FSDP entries."""
+    keys = []
+    for api, fsdp, cls in (
+        (ref, RF, RF),
+        (tfsdp, TF, tfsdp.FullyShardedDataParallel),
+    ):
+        torch.manual_seed(5)
+        root = nn.Module()
+        root.non_fsdp_lin = nn.Linear(3, 3, bias=False)
+        root.fsdp_1 = fsdp(nn.Linear(3, 3, bias=False))
+        cfg = api.FullStateDictConfig(rank0_only=True)
+        with cls.state_dict_type(root, api.StateDictType.FULL_STATE_DICT, cfg):
+            keys.append(sorted(root.state_dict()))
+    assert keys[0] == keys[1], f"rank {rank}: {keys[0]} != torch {keys[1]}"
+
+
+def test_buffers_mixed_precision_ignored_modules_against_torch():
+    run_on_ranks(_body_buffers, 2)
+
+
+# -- body 3: bad input, device mesh, NO_SHARD ----------------------------------------------------
+
+
+def _expect_rejected(model, ref, RF, sd, tname, strict, needles, where):
+    """Loading ``sd`` raises a RuntimeError containing ``needles`` and changes no parameter."""
+    before = _clone_sd(_full_sd(ref, RF, model))
+    try:
+        with RF.state_dict_type(model, getattr(ref.StateDictType, tname)):
+            model.load_state_dict(sd, strict=strict)
+    except RuntimeError as e:
+        for needle in needles:
+            assert needle in str(e), f"{where}: {needle!r} not in {e}"
+    else:
+        raise AssertionError(f"{where}: bad state dict was accepted")
+    after = _full_sd(ref, RF, model)
+    assert all(torch.equal(before[k], after[k]) for k in before), f"{where}: params changed"
+    assert all(m._unshard_stack is None for m in RF.fsdp_modules(model)), where
+
+
+def _body_bad_input(rank, ws):
+    (ref, RF), (tfsdp, TF) = _impls()
+    ours, _ = _nested(RF, 6)
+    full = _clone_sd(_full_sd(ref, RF, ours))
+    with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+        sharded = _clone_sd(ours.state_dict())
+    with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
+        local = _clone_sd(ours.state_dict())
+    # Scribble so that a partial load would be visible.
+    with torch.no_grad(), RF.summon_full_params(ours):
+        for p in ours.parameters():
+            p.fill_(0.5)
+    wrong_shape = dict(full, **{"1.weight": torch.zeros(10, 9)})
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        wrong_shape,
+        "FULL_STATE_DICT",
+        True,
+        ["'1.weight'", "(10, 10)", "(10, 9)"],
+        "wrong shape",
+    )
+    missing = {k: v for k, v in full.items() if k != "1.weight"}
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        missing,
+        "FULL_STATE_DICT",
+        True,
+        ["missing key '1.weight'", "strict=False"],
+        "missing key",
+    )
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        dict(full, extra=torch.zeros(1)),
+        "FULL_STATE_DICT",
+        True,
+        ["unexpected key 'extra'"],
+        "unexpected key",
+    )
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        sharded,
+        "FULL_STATE_DICT",
+        True,
+        ["'0.weight'", "ShardedTensor", "FULL_STATE_DICT"],
+        "ShardedTensor as FULL",
+    )
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        full,
+        "SHARDED_STATE_DICT",
+        True,
+        ["'0.weight'", "expects a ShardedTensor"],
+        "plain as SHARDED",
+    )
+    _expect_rejected(
+        ours, ref, RF, sharded, "LOCAL_STATE_DICT", True, ["'_flat_param'"], "SHARDED as LOCAL"
+    )
+    _expect_rejected(
+        ours,
+        ref,
+        RF,
+        dict(local, **{"0._flat_param": full["0.weight"]}),
+        "LOCAL_STATE_DICT",
+        True,
+        ["'0._flat_param'", "ShardedTensor"],
+        "LOCAL plain",
+    )
+    # A valid dict still loads afterwards (no unshard was left open).
+    ours.load_state_dict(full)
+    _assert_same_sd(_full_sd(ref, RF, ours), full, f"rank {rank} reload after errors")
+    _check_device_mesh(rank, ws, ref, RF, tfsdp, TF)
+    _check_no_shard(rank, ref, RF, full)
+
+
+def _check_device_mesh(rank, ws, ref, RF, tfsdp, TF):
+    """S6: SHARDED gives DTensors with (Shard(0),) when FSDP got a device mesh; LOCAL refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    built = []
+    for fsdp in (RF, TF):
+        torch.manual_seed(7)
+        seq = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+        built.append(fsdp(seq, device_mesh=mesh))
+    ours, theirs = built
+    with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+        sd_ours = ours.state_dict()
+    TFSDP = tfsdp.FullyShardedDataParallel
+    with TFSDP.state_dict_type(theirs, tfsdp.StateDictType.SHARDED_STATE_DICT):
+        sd_theirs = theirs.state_dict()
+    assert list(sd_ours) == list(sd_theirs)
+    for key, expected in sd_theirs.items():
+        got = sd_ours[key]
+        assert isinstance(got, DTensor) and got.placements == (Shard(0),), key
+        assert got.shape == expected.shape and torch.equal(got.to_local(), expected.to_local())
+    with torch.no_grad(), RF.summon_full_params(ours):
+        for p in ours.parameters():
+            p.zero_()
+    with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+        ours.load_state_dict(sd_theirs)
+    _assert_same_sd(_full_sd(ref, RF, ours), _full_sd(tfsdp, TFSDP, theirs), "mesh reload")
+    try:
+        with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
+            ours.state_dict()
+    except RuntimeError as e:
+        assert "DeviceMesh is not compatible with LOCAL_STATE_DICT" in str(e), e
+    else:
+        raise AssertionError("LOCAL with a device mesh was accepted")
+
+
+def _check_no_shard(rank, ref, RF, full):
+    """S8 on two ranks: NO_SHARD warns at construction and turns every type into FULL."""
+    torch.manual_seed(6)
+    seq = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = RF(seq, sharding_strategy=ref.ShardingStrategy.NO_SHARD)
+        with RF.state_dict_type(model, ref.StateDictType.SHARDED_STATE_DICT):
+            sd = model.state_dict()
+            model.load_state_dict(full)
+    texts = [str(w.message) for w in caught]
+    assert any("`NO_SHARD` sharding strategy is deprecated" in t for t in texts), texts
+    assert any("full_state_dict will be returned." in t for t in texts), texts
+    assert all(type(v) is torch.Tensor and v.shape == (10, 10) for v in sd.values())
+    _assert_same_sd(_full_sd(ref, RF, model), full, f"rank {rank} NO_SHARD load")
+
+
+def test_bad_input_device_mesh_no_shard():
+    run_on_ranks(_body_bad_input, 2)
+
+
+# -- body 4: world size 1 -------------------------------------------------------------------------
+
+
+def _body_world_size_one(rank, ws):
+    (ref, RF), (tfsdp, TF) = _impls()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, _ = _nested(RF, 8)
+    texts = [str(w.message) for w in caught]
+    expected = "FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.FULL_SHARD since "
+    assert any(t.startswith(expected) for t in texts), texts
+    assert ours.sharding_strategy == ref.ShardingStrategy.NO_SHARD
+    theirs, _ = _nested(TF, 8)
+    TFSDP = tfsdp.FullyShardedDataParallel
+    with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
+        sd_ours = ours.state_dict()
+        ours.load_state_dict(sd_ours)
+    with TFSDP.state_dict_type(theirs, tfsdp.StateDictType.SHARDED_STATE_DICT):
+        sd_theirs = theirs.state_dict()
+    _assert_same_sd(sd_ours, sd_theirs, "world size 1")
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [
+        (n, p.shape) for n, p in theirs.named_parameters()
+    ]
+
+
+def test_world_size_one_runs_no_shard():
+    run_on_ranks(_body_world_size_one, 1)
