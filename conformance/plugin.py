@@ -216,7 +216,7 @@ def pytest_configure(config):
     if session.is_reporter and not getattr(config.option, "xmlpath", None):
         reports_dir.mkdir(parents=True, exist_ok=True)
         config.option.xmlpath = str(reports_dir / "conformance.xml")
-    if not session.is_reporter:
+    if not session.is_reporter:  # under torchrun only rank 0 reports
         config.option.xmlpath = None
 
 
@@ -385,8 +385,14 @@ def report_outcome(report) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    session.config.pluginmanager.register(_Recorder(session.config), "fsdp-conformance-recorder")
+    config = session.config
+    config.pluginmanager.register(_Recorder(config), "fsdp-conformance-recorder")
+    if not _session(config).is_reporter:  # under torchrun the other ranks stay quiet
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -124,6 +124,8 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
             f"WARNING stale expectation {entry.prefix!r} ({entry.source}) matches no case"
         )
     spawns = ", ".join(f"ws{ws}: {n}" for ws, n in sorted(session.spawns.items()))
+    if session.torchrun:
+        spawns = "none (torchrun: checks ran in-process)"
     tr.write_line(f"wall time {wall:.1f} s; process groups spawned: {spawns or 'none'}")
     tr.write_line(f"reports: {session.config.option.reports_dir}/conformance.{{json,md,xml}}")
 

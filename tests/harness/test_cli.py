@@ -194,3 +194,46 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     while time.monotonic() < deadline and _processes_with_marker(marker):
         time.sleep(0.5)
     assert _processes_with_marker(marker) == [], "processes left behind after Ctrl-C"
+
+
+def test_under_torchrun_checks_run_in_process_and_rank0_reports(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "conformance",
+            "--impl",
+            "tests.harness.fake_impl:FakeImpl",
+            "--check-dir",
+            SELFCHECKS,
+            "-k",
+            "selftest and (passes or fails_on_rank1 or needs_hsdp)",
+            "--reports-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads((tmp_path / "r" / "conformance.json").read_text())
+    outcomes = {c["check"]: c["outcome"] for c in report["cases"]}
+    assert report["torchrun"] and report["world_sizes"] == [2]
+    assert outcomes == {"passes": "pass", "fails_on_rank1": "fail", "needs_hsdp": "not-supported"}
+    failing = next(c for c in report["cases"] if c["check"] == "fails_on_rank1")
+    assert "expected 0, got 1" in failing["message"]  # rank 1's assertion reached rank 0's report
+    assert proc.stdout.count("FSDP conformance matrix") == 1  # only rank 0 prints the matrix
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
