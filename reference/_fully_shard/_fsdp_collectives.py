@@ -1,0 +1,245 @@
+"""The two collectives of one parameter group: all-gather (unshard) and reduce-scatter (grads).
+
+[Note: all-gather layout]
+A group gathers all its parameters in ONE collective. Each rank's contribution is the
+concatenation of its parameters' all-gather inputs (``i_0 | i_1 | ...``, sizes ``s_0, s_1, ...``);
+the output is ``world_size`` such rows back to back. *Copy-in* writes each input straight into
+this rank's own row of the output (no intermediate concatenation), and the all-gather fills the
+other rows in place. *Copy-out* views the output as ``(world_size, sum(s_k))`` and splits its
+columns into each parameter's all-gather output viewed as ``(world_size, s_k)`` in one
+``split_with_sizes_copy``. Inputs of different dtypes are gathered as raw bytes (``uint8``).
+A parameter sharded on dim ``d != 0`` comes out as its rank-chunks stacked on dim 0, so its
+copy-out goes through a temporary and a ``cat`` along ``d``.
+
+[Note: reduce-scatter layout and divide factors]
+Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and split into
+``world_size`` row chunks; row ``r`` of the reduce-scatter input is the concatenation of every
+gradient's chunk ``r`` (``torch._chunk_cat``), so rank ``r`` receives exactly its shards, in the
+same padded layout as ``_sharded_param_data``. Averaging (spec P6): fp32/bf16 use ``AVG``
+(``SUM`` when the data-parallel size is 1); other dtypes (fp16) risk overflow, so they ``SUM``
+with a pre-divide ``pre`` (the largest power of two with ``N % pre == 0 and N / pre > pre``
+doubling rule) and a post-divide ``N / pre``. A custom ``gradient_divide_factor`` ``f`` uses
+``AVG`` when ``f`` equals the reduce-scatter size, else ``PREMUL_SUM(1 / f)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ._fsdp_common import _to_dtype_if_needed
+from ._fsdp_param import FSDPParam
+from ._shard_math import dim0_padded_size
+
+
+class AllGatherResult(NamedTuple):
+    all_gather_output: (
+        torch.Tensor
+    )  # 1D, world_size * sum(all_gather_input_split_sizes)
+    all_gather_work: dist.Work | None  # set iff async
+    param_all_gather_input_dtypes: list[list[torch.dtype]]
+    param_all_gather_input_numels: list[list[int]]
+    all_gather_input_split_sizes: list[int]
+
+
+@torch.no_grad()
+def foreach_all_gather(
+    fsdp_params: list[FSDPParam],
+    group: dist.ProcessGroup,
+    async_op: bool,
+    device: torch.device,
+) -> AllGatherResult:
+    """Copy-in every parameter's inputs into this rank's row, then all-gather once."""
+    world_size, rank = group.size(), group.rank()
+    param_inputs = [fsdp_param.all_gather_inputs for fsdp_param in fsdp_params]
+    dtypes = [[t.dtype for t in inputs] for inputs in param_inputs]
+    numels = [[t.numel() for t in inputs] for inputs in param_inputs]
+    flat_inputs = [t for inputs in param_inputs for t in inputs]
+    dtype = flat_inputs[0].dtype
+    if any(t.dtype != dtype for t in flat_inputs):
+        dtype = torch.uint8
+        flat_inputs = [t.view(torch.uint8) for t in flat_inputs]
+    split_sizes = [t.numel() for t in flat_inputs]
+    input_numel = sum(split_sizes)
+    output = torch.empty(input_numel * world_size, dtype=dtype, device=device)
+    my_row = output.narrow(0, input_numel * rank, input_numel)
+    torch._foreach_copy_(list(torch.split(my_row, split_sizes)), flat_inputs)
+    work = dist.all_gather_single(output, my_row, group=group, async_op=async_op)
+    return AllGatherResult(
+        output, work if async_op else None, dtypes, numels, split_sizes
+    )
+
+
+@torch.no_grad()
+def foreach_all_gather_copy_out(
+    result: AllGatherResult, fsdp_params: list[FSDPParam], group: dist.ProcessGroup
+) -> None:
+    """Split the gathered rows into each parameter's (re-allocated) all-gather outputs."""
+    if result.all_gather_work is not None:
+        result.all_gather_work.wait()
+    world_size, output = group.size(), result.all_gather_output
+    destinations: list[torch.Tensor] = []
+    non_dim0: list[tuple[FSDPParam, list[torch.Tensor]]] = []
+    for numels, dtypes, fsdp_param in zip(
+        result.param_all_gather_input_numels,
+        result.param_all_gather_input_dtypes,
+        fsdp_params,
+    ):
+        fsdp_param.init_all_gather_outputs(numels, dtypes, world_size, output.device)
+        fsdp_param.alloc_all_gather_outputs()
+        outs = fsdp_param.all_gather_outputs
+        if fsdp_param.fsdp_placement.dim != 0:
+            outs = [torch.empty_like(t) for t in outs]
+            non_dim0.append((fsdp_param, outs))
+        destinations.extend(outs)
+    views = [t.view(world_size, -1) for t in destinations]
+    if output.dtype == torch.uint8:
+        views = [v.view(torch.uint8) for v in views]
+    # The unsharded parameters alias these outputs; refilling them must not bump the version
+    # counters that autograd checks for tensors it saved in forward.
+    tracked = tuple(v for v in views if not v.is_inference())
+    with (
+        torch.autograd._unsafe_preserve_version_counter(tracked)
+        if tracked
+        else nullcontext()
+    ):
+        torch.split_with_sizes_copy(
+            output.view(world_size, -1),
+            result.all_gather_input_split_sizes,
+            dim=1,
+            out=views,
+        )
+    for fsdp_param, temps in non_dim0:
+        shard_dim = fsdp_param.fsdp_placement.dim
+        padded = list(fsdp_param.padded_sharded_param_size)
+        stacked = [padded[0] * world_size, *padded[1:]]
+        catted = list(padded)
+        catted[shard_dim] *= world_size
+        with torch.autograd._unsafe_preserve_version_counter(
+            tuple(fsdp_param.all_gather_outputs)
+        ):
+            for temp, target in zip(temps, fsdp_param.all_gather_outputs):
+                chunks = torch.chunk(temp.view(stacked), world_size, dim=0)
+                torch.cat(chunks, dim=shard_dim, out=target.view(catted))
+
+
+@torch.no_grad()
+def foreach_reduce(
+    fsdp_params: list[FSDPParam],
+    unsharded_grads: list[torch.Tensor],
+    reduce_scatter_group: dist.ProcessGroup,
+    orig_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    device: torch.device,
+    gradient_divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None,  # set iff HSDP
+    all_reduce_grads: bool,
+    partial_reduce_output: torch.Tensor | None,  # HSDP: accumulated without all-reduce
+) -> torch.Tensor | None:
+    """Reduce-scatter the group's gradients and install them as sharded DTensor grads.
+
+    Returns the HSDP partial output to carry to the next backward when ``all_reduce_grads`` is
+    off, else ``None``. ``unsharded_grads`` is consumed (cleared) to free the full gradients.
+    """
+    grad_dtypes = {grad.dtype for grad in unsharded_grads}
+    if len(grad_dtypes) != 1:
+        raise AssertionError(
+            f"FSDP reduce-scatter expects uniform gradient dtype but got {grad_dtypes}"
+        )
+    reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
+    predivide, postdivide, rs_op, ar_op = _get_gradient_divide_factors(
+        reduce_scatter_group, all_reduce_group, reduce_dtype, gradient_divide_factor
+    )
+    world_size = reduce_scatter_group.size()
+    if world_size > 1:  # bring Shard(d != 0) grads into the dim-0 chunk layout
+        for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
+            if (shard_dim := fsdp_param.fsdp_placement.dim) != 0:
+                unsharded_grads[i] = torch.cat(
+                    torch.chunk(grad, world_size, shard_dim), dim=0
+                )
+    padded_sizes = [
+        dim0_padded_size(grad.size(), world_size) for grad in unsharded_grads
+    ]
+    input_numel = sum(torch.Size(s).numel() for s in padded_sizes)
+    reduce_scatter_input = torch.empty(input_numel, dtype=reduce_dtype, device=device)
+    torch._chunk_cat(
+        unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1)
+    )
+    unsharded_grads.clear()
+    reduce_output = torch.empty(
+        input_numel // world_size, dtype=reduce_dtype, device=device
+    )
+    _div_if_needed(reduce_scatter_input, predivide)
+    if world_size > 1:
+        dist.reduce_scatter_single(
+            reduce_output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group
+        )
+    elif gradient_divide_factor is not None:
+        reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)
+    else:
+        reduce_output.copy_(reduce_scatter_input)
+    if all_reduce_group is not None:
+        if not all_reduce_grads:  # HSDP gradient accumulation without the all-reduce
+            if partial_reduce_output is not None:
+                partial_reduce_output += reduce_output
+                return partial_reduce_output
+            return reduce_output
+        if partial_reduce_output is not None:
+            reduce_output += partial_reduce_output
+        dist.all_reduce(reduce_output, op=ar_op, group=all_reduce_group)
+    _div_if_needed(reduce_output, postdivide)
+    reduce_output = _to_dtype_if_needed(reduce_output, orig_dtype)
+    offset = 0
+    for padded_size, fsdp_param in zip(padded_sizes, fsdp_params):
+        new_grad = torch.as_strided(
+            reduce_output,
+            size=fsdp_param.sharded_size,
+            stride=fsdp_param.contiguous_sharded_stride,
+            storage_offset=offset,
+        )
+        if fsdp_param.offload_to_cpu:
+            new_grad = new_grad.to(torch.device("cpu"))
+        sharded_param = fsdp_param.sharded_param
+        if sharded_param.grad is not None:
+            sharded_param.grad._local_tensor += new_grad
+        else:
+            sharded_param.grad = fsdp_param.to_sharded_dtensor(new_grad)
+        for hook in (
+            getattr(sharded_param, "_post_accumulate_grad_hooks", None) or {}
+        ).values():
+            hook(sharded_param)
+        offset += torch.Size(padded_size).numel() // world_size
+    return None
+
+
+def _get_gradient_divide_factors(
+    reduce_scatter_group: dist.ProcessGroup,
+    all_reduce_group: dist.ProcessGroup | None,
+    reduce_dtype: torch.dtype,
+    factor: float | None = None,
+) -> tuple[float | None, float | None, ReduceOp, ReduceOp]:
+    """``(predivide, postdivide, reduce_scatter_op, all_reduce_op)`` per the Note above."""
+    data_parallel_size = reduce_scatter_group.size()
+    if all_reduce_group is not None:
+        data_parallel_size *= all_reduce_group.size()
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        if factor is None:
+            op = ReduceOp.SUM if data_parallel_size == 1 else ReduceOp.AVG
+            return None, None, op, op
+        if factor == reduce_scatter_group.size():
+            return None, None, ReduceOp.AVG, ReduceOp.SUM
+        return None, None, ReduceOp.PREMUL_SUM(1 / factor), ReduceOp.SUM
+    factor = float(data_parallel_size) if factor is None else factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return pre, factor / pre, ReduceOp.SUM, ReduceOp.SUM
+
+
+def _div_if_needed(tensor: torch.Tensor, div_factor: float | None) -> None:
+    if div_factor is not None and div_factor != 1:
+        tensor.div_(div_factor)

@@ -1,0 +1,97 @@
+"""Shared vocabulary of the FSDP2 reference: mesh descriptions, training states, small helpers.
+
+[Note: meshes]
+``fully_shard`` takes a :class:`DeviceMesh`. A 1-D mesh means plain FSDP: every rank holds one
+shard of each parameter (placement ``(Shard(0),)``). A 2-D mesh ``(replicate, shard)`` means HSDP:
+parameters are sharded over the last dim and replicated over the first (placement
+``(Replicate(), Shard(0))``); gradients are reduce-scattered over the shard group and then
+all-reduced over the replicate group. ``FSDPMeshInfo`` / ``HSDPMeshInfo`` cache the groups and this
+rank's coordinates so that the rest of the code never re-derives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class FSDPMeshInfo:
+    """A mesh plus the dim parameters are sharded over (``shard_mesh_dim``)."""
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None = None
+    replicate_mesh_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard_mesh_dim is None:
+            raise AssertionError("Expects non-None shard_mesh_dim")
+        self.shard_mesh_size: int = self.mesh.size(self.shard_mesh_dim)
+        self.shard_process_group: dist.ProcessGroup = self.mesh.get_group(
+            self.shard_mesh_dim
+        )
+        self.shard_mesh_rank: int = self.shard_process_group.rank()
+
+
+@dataclass
+class HSDPMeshInfo(FSDPMeshInfo):
+    """An :class:`FSDPMeshInfo` that also replicates over ``replicate_mesh_dim`` (HSDP)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replicate_mesh_dim is None:
+            raise AssertionError("Expects non-None replicate_mesh_dim")
+        self.replicate_mesh_size: int = self.mesh.size(self.replicate_mesh_dim)
+        self.replicate_process_group = self.mesh.get_group(self.replicate_mesh_dim)
+        self.replicate_mesh_rank: int = self.replicate_process_group.rank()
+
+
+class TrainingState(Enum):
+    """Where one FSDP state / parameter group is within an iteration."""
+
+    FORWARD = auto()  # between its pre-forward and post-forward hooks
+    PRE_BACKWARD = auto()  # its parameters were unsharded for backward
+    POST_BACKWARD = auto()  # its gradients were reduced
+    IDLE = auto()  # none of the above
+
+
+def _chunk_with_empty(
+    tensor: torch.Tensor, num_chunks: int, dim: int
+) -> list[torch.Tensor]:
+    """``torch.chunk`` padded with empty tensors to exactly ``num_chunks`` chunks."""
+    chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
+    chunks += [chunks[0].new_empty(0)] * (num_chunks - len(chunks))
+    return chunks
+
+
+def _get_dim_chunked_size(
+    chunk: torch.Tensor, unchunked: torch.Size, dim: int
+) -> torch.Size:
+    """A chunk's size, or for an empty chunk the unchunked size with 0 at ``dim``."""
+    if chunk.numel() > 0:
+        return chunk.size()
+    return unchunked[:dim] + torch.Size([0]) + unchunked[dim + 1 :]
+
+
+def _to_dtype_if_needed(
+    tensor: torch.Tensor, dtype: torch.dtype | None
+) -> torch.Tensor:
+    if dtype is not None and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    return tensor
+
+
+def _cast_fp_tensor(dtype: torch.dtype, x: object) -> object:
+    """Cast ``x`` to ``dtype`` if it is a floating-point tensor of another dtype."""
+    if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def is_bw() -> bool:
+    """Whether autograd's engine is currently running a backward pass."""
+    return torch._C._current_graph_task_id() != -1

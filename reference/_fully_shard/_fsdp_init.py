@@ -1,0 +1,177 @@
+"""What ``fully_shard`` checks and collects before it shards anything.
+
+Rules:
+
+* ``module`` may not be a bare ``nn.ModuleList`` / ``nn.ModuleDict`` (no forward to hook).
+* The mesh is 1-D (FSDP) or 2-D (HSDP, which needs ``mesh_dim_names``).
+* ``reshard_after_forward`` is a bool or an int factor of the shard-mesh size (spec P3): ``1``
+  means ``False`` (with a warning), the shard size means ``True``, any other factor reshards
+  after forward onto groups of that size.
+* *Managed modules* are the module's subtree minus subtrees already under ``fully_shard`` and
+  minus modules whose every parameter is ignored (and that hold no buffers); shared modules count
+  once. *Managed parameters* are their parameters minus ``ignored_params``, deduplicated. A
+  scalar (0-D) parameter is rejected because it has no dim to shard.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+logger = logging.getLogger("reference.fully_shard")
+
+
+def _validate_module(module: nn.Module | list[nn.Module], func_name: str) -> None:
+    for m in module if isinstance(module, list) else [module]:
+        if (
+            isinstance(m, (nn.ModuleList, nn.ModuleDict))
+            and type(m).forward is nn.Module.forward
+        ):
+            raise ValueError(
+                f"{func_name} does not support containers that do not implement forward: {m}"
+            )
+
+
+def _validate_mesh(mesh: DeviceMesh) -> None:
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified"
+        )
+
+
+def _get_mesh_info(mesh: DeviceMesh) -> FSDPMeshInfo:
+    if mesh.ndim == 1:
+        return FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+
+def _get_post_forward_mesh_info(
+    reshard_after_forward: bool | int, mesh_info: FSDPMeshInfo
+) -> FSDPMeshInfo | None:
+    """The mesh to reshard to after forward: ``None`` (keep unsharded), the mesh, or a smaller one."""
+    shard_size = mesh_info.shard_mesh_size
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(  # noqa: TRY004 (upstream raises ValueError)
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {reshard_after_forward}"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raf = reshard_after_forward
+        if raf < 1 or raf > shard_size or shard_size % raf != 0:
+            raise ValueError(
+                "If passing reshard_after_forward as an int, it should be a factor of "
+                f"{shard_size}, not {raf}"
+            )
+        if raf == 1:
+            logger.warning(
+                "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+                "instead of reshard_after_forward=True (bool)"
+            )
+            reshard_after_forward = False
+        elif raf == shard_size:
+            reshard_after_forward = True
+    if reshard_after_forward is True:
+        return mesh_info
+    if reshard_after_forward is False:
+        return None
+    # An int: rows of `reshard_after_forward` consecutive ranks shard, columns replicate.
+    groups = mesh_info.mesh.mesh.view(-1, reshard_after_forward)
+    return HSDPMeshInfo(
+        DeviceMesh(mesh_info.mesh.device_type, groups),
+        shard_mesh_dim=1,
+        replicate_mesh_dim=0,
+    )
+
+
+def _init_default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default group on the build's accelerator (CPU on a CPU build)."""
+    if not dist.is_initialized():
+        dist.init_process_group()
+    device = torch._C._get_accelerator()
+    return init_device_mesh(device.type, mesh_shape=(dist.get_world_size(),))
+
+
+def _get_device_from_mesh(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def _get_managed_modules(
+    root_modules: tuple[nn.Module, ...],
+    ignored_params: set[nn.Parameter] | None,
+    get_state,
+) -> list[nn.Module]:
+    """Post-order walk of the subtrees, stopping at modules that already have FSDP state."""
+    modules: list[nn.Module] = []
+    roots, visited = set(root_modules), set()
+
+    def dfs(module: nn.Module) -> None:
+        if module not in roots and get_state(module) is not None:
+            return  # a nested fully_shard module manages its own subtree
+        visited.add(module)
+        for child in module.children():
+            if child not in visited:
+                dfs(child)
+        modules.append(module)
+
+    for root in root_modules:
+        dfs(root)
+    if ignored_params is None:
+        return modules
+    decisions: dict[nn.Module, bool] = {}
+    return [m for m in modules if not _is_fully_ignored(m, ignored_params, decisions)]
+
+
+def _is_fully_ignored(module: nn.Module, ignored: set, decisions: dict) -> bool:
+    if module not in decisions:
+        decisions[module] = (
+            not any(True for _ in module.buffers(recurse=False))
+            and all(p in ignored for p in module.parameters(recurse=False))
+            and all(_is_fully_ignored(c, ignored, decisions) for c in module.children())
+        )
+    return decisions[module]
+
+
+def _get_managed_states(
+    modules: list[nn.Module], ignored_params: set[nn.Parameter] | None
+) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    params: list[nn.Parameter] = []
+    buffers: list[torch.Tensor] = []
+    seen_params, seen_buffers = set(), set()
+    ignored = ignored_params or set()
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            if param in ignored or param in seen_params:
+                continue
+            if param.ndim == 0:
+                raise ValueError(
+                    "fully_shard doesn't support scalar parameters. "
+                    f"Change {name} to a 1D tensor with numel equal to 1."
+                )
+            params.append(param)
+            seen_params.add(param)
+        for buffer in module.buffers(recurse=False):
+            if buffer not in seen_buffers:
+                buffers.append(buffer)
+                seen_buffers.add(buffer)
+    return params, buffers
+
+
+def _move_states_to_device(
+    params: list[nn.Parameter], buffers: list[torch.Tensor], device: torch.device
+) -> None:
+    """Move managed parameters and buffers to the mesh's device (meta tensors stay on meta)."""
+    for tensor in [*params, *buffers]:
+        if tensor.device == device or tensor.device.type == "meta":
+            continue
+        tensor.data = tensor.to(device)

@@ -1,0 +1,583 @@
+"""``FSDPParam``: one original parameter, its shard, and the ways between them.
+
+[Note: FSDP tensors]
+For each parameter FSDP keeps five related tensors (the names are used throughout):
+
+* **original parameter**: the ``nn.Parameter`` on the module when ``fully_shard`` is called.
+* **sharded parameter** (``sharded_param``): this rank's piece of the original, cut with
+  ``torch.chunk`` along the shard dim (dim 0 unless ``shard_placement_fn`` says otherwise) and
+  presented as an ``nn.Parameter`` wrapping a ``DTensor`` with the original's global size and
+  stride. Its local tensor is a view into ``_sharded_param_data``, a 1-D buffer of the *padded*
+  shard size (chunk 0's size) whose tail past this rank's data is zero.
+* **all-gather inputs** (``all_gather_inputs``): what this rank contributes to the all-gather.
+  By default the padded 1-D buffer, cast to ``param_dtype`` when mixed precision is on. An
+  all-gather extension (``fsdp_pre_all_gather`` on the local tensor) may return several tensors.
+* **all-gather outputs** (``all_gather_outputs``): 1-D tensors of ``world_size`` times the input
+  numel, one per input, filled by the group's copy-out.
+* **unsharded parameter** (``unsharded_param``): the full parameter used by forward/backward, a
+  view of the all-gather output with the original shape (or the extension's post-all-gather
+  result). It is an autograd leaf.
+
+[Note: freeing by storage resize]
+Autograd may save the unsharded parameter (or views of it) for backward, so FSDP never replaces
+it: the ``nn.Parameter`` is created once and refilled in place on every unshard. Resharding frees
+its memory with ``untyped_storage().resize_(0)`` on the all-gather outputs, which keeps every
+alias valid; unsharding resizes the storage back before the copy-out writes into it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_common import (
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    _chunk_with_empty,
+    _get_dim_chunked_size,
+    _to_dtype_if_needed,
+)
+from ._shard_math import contiguous_strides
+
+
+class ShardedState(Enum):
+    """Which of a parameter's forms is registered on its module."""
+
+    SHARDED = auto()
+    """The sharded ``DTensor`` parameter is registered; it is the only parameter memory held."""
+
+    SHARDED_POST_FORWARD = auto()
+    """After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group
+    is registered (a ``DTensor`` on a 2-D mesh, ``(Replicate(), Shard(0))``). It is not meant for
+    computation or in-place edits; both it and the sharded parameter hold memory."""
+
+    UNSHARDED = auto()
+    """The full unsharded parameter (a plain tensor) is registered, for forward/backward; both it
+    and the sharded parameter hold memory."""
+
+
+@dataclass
+class ParamModuleInfo:
+    """Where a parameter lives: ``setattr(module, param_name, p)`` swaps it.
+
+    A parameter reached through several modules (a shared module, or a tied parameter) records
+    the other owners in ``shared_modules`` / ``shared_param_names`` so that every alias is swapped.
+    """
+
+    module: nn.Module
+    param_name: str
+    shared_modules: list[nn.Module] = field(default_factory=list)
+    shared_param_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExtensionsData:
+    """What an all-gather extension's pre hook produced, kept until its post hook runs."""
+
+    all_gather_metadata: Any | None = None
+    all_gather_input_sizes: list[torch.Size] = field(default_factory=list)  # ND
+
+    def clear(self) -> None:
+        self.all_gather_metadata = None
+        self.all_gather_input_sizes = []
+
+
+class FSDPParam:
+    """One parameter under FSDP: shards it at construction and moves it between the states.
+
+    Construction validates and shards but does not touch the module; the owning group registers
+    the sharded parameter with :meth:`_attach_to_module` once every parameter of the group has
+    been built, so that a bad parameter leaves the module as it was.
+    """
+
+    orig_dtype: torch.dtype
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    fsdp_placement: Shard
+    _orig_size: torch.Size  # ND, the original parameter's global size
+    _contiguous_orig_stride: tuple[int, ...]
+    sharded_size: torch.Size  # ND, this rank's chunk (0 along the shard dim if empty)
+    contiguous_sharded_stride: tuple[int, ...]
+    padded_sharded_param_size: torch.Size  # ND, chunk 0's size
+    sharded_post_forward_size: torch.Size  # ND
+    contiguous_sharded_post_forward_stride: tuple[int, ...]
+    _sharded_param_data: torch.Tensor  # 1D, padded_sharded_param_size.numel() elements
+    sharded_param: nn.Parameter  # ND, DTensor with the original global size and stride
+    _sharded_post_forward_param_data: torch.Tensor | None  # 1D
+    _sharded_post_forward_param: nn.Parameter | None  # ND
+    _unsharded_param: nn.Parameter  # ND, original size
+    unsharded_accumulated_grad: torch.Tensor | None  # ND
+    _sharding_spec: DTensorSpec
+    all_gather_outputs: list[torch.Tensor]  # 1D, world_size * input numel each
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        module_info: ParamModuleInfo,
+        mesh_info: FSDPMeshInfo,
+        post_forward_mesh_info: FSDPMeshInfo | None,
+        device: torch.device,
+        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ):
+        self._module_info = module_info
+        self.mesh_info = mesh_info
+        self.post_forward_mesh_info = post_forward_mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.offload_to_cpu: bool = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory: bool = self.offload_to_cpu and offload_policy.pin_memory
+        self._init_sharded_param(param, device, shard_placement_fn)
+        if self.post_forward_mesh_info is not None:
+            self._init_sharded_post_forward_param_metadata(param)
+        self._init_extensions()
+        self.all_gather_outputs = []
+        self.unsharded_accumulated_grad = None
+        self._sharded_post_forward_param_data = None
+        self._sharded_post_forward_param = None
+        self._param_fqn: str | None = None  # set at the root's lazy init
+        self._post_load_hook_handle = None
+
+    # ---- construction -------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_sharded_param(
+        self, param: nn.Parameter, device: torch.device, placement_fn
+    ) -> None:
+        placement = placement_fn(param) if callable(placement_fn) else None
+        if placement is None:
+            placement = Shard(0)
+        elif not isinstance(placement, Shard):
+            if type(placement).__name__ == "ShardPlacementResult":
+                raise NotImplementedError(
+                    "The reference fully_shard does not support per-parameter meshes "
+                    "(ShardPlacementResult); return a Shard placement or None instead"
+                )
+            raise ValueError(f"Invalid shard_placement_fn result: {placement}")
+        if param.device != device and param.device.type != "meta":
+            raise AssertionError(
+                f"Expects the parameter to already be moved to device {device} but got "
+                f"{param.device}"
+            )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: {param.shape=} "
+                f"{param.stride()=}"
+            )
+        if placement.dim < 0:
+            placement = Shard(placement.dim + param.ndim)
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                "The reference fully_shard does not support DTensor (tensor-parallel) "
+                "parameters; apply it to modules whose parameters are plain tensors"
+            )
+        self.fsdp_placement = placement
+        shard_dim = placement.dim
+        if shard_dim >= param.ndim:
+            raise AssertionError(
+                f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: {param.shape}"
+            )
+        ws, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
+        if shard_dim > 0 and param.size(shard_dim) % ws != 0:
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {shard_dim}: "
+                f"{param.size()} (world size: {ws})"
+            )
+        self.is_dtensor = False
+        self._orig_param_uid = _get_orig_param_uid(param)
+        self._orig_size = param.size()
+        self._contiguous_orig_stride = contiguous_strides(self._orig_size)
+        placements = (Replicate(), placement) if self._is_hsdp else (placement,)
+        self._sharding_spec = DTensorSpec(
+            self.mesh_info.mesh,
+            placements,
+            tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
+        )
+        chunks = _chunk_with_empty(param, ws, dim=shard_dim)
+        chunk = chunks[rank]
+        self.sharded_size = _get_dim_chunked_size(chunk, param.size(), dim=shard_dim)
+        self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
+        self.padded_sharded_param_size = chunks[0].size()  # chunk 0 is never smaller
+        padded = param.new_zeros(self.padded_sharded_param_size)
+        length = chunk.size(shard_dim) if chunk.numel() > 0 else 0
+        if length > 0:
+            padded.narrow(shard_dim, 0, length).copy_(chunk)
+        if self.offload_to_cpu and not padded.is_meta:
+            padded = padded.cpu()
+            if self.pin_memory:
+                padded = padded.pin_memory()  # raises on a build without an accelerator
+        self._sharded_param_data = padded.view(-1)
+        local = padded.narrow(shard_dim, 0, length)
+        if not local.is_contiguous():
+            raise AssertionError(
+                f"Expected contiguous tensor with {self.fsdp_placement=}"
+            )
+        self.sharded_param = nn.Parameter(
+            self.to_sharded_dtensor(local), requires_grad=param.requires_grad
+        )
+        self.sharded_state = ShardedState.SHARDED
+
+    def _init_sharded_post_forward_param_metadata(self, param: torch.Tensor) -> None:
+        info = self.post_forward_mesh_info
+        chunks = _chunk_with_empty(param, info.shard_mesh_size, dim=0)
+        self.sharded_post_forward_size = _get_dim_chunked_size(
+            chunks[info.shard_mesh_rank], param.size(), dim=self.fsdp_placement.dim
+        )
+        self.contiguous_sharded_post_forward_stride = contiguous_strides(
+            self.sharded_post_forward_size
+        )
+
+    def _attach_to_module(self) -> None:
+        """Register the sharded parameter on its module(s) and the post-load re-pad hook."""
+        self._setattr_on_modules(self.sharded_param)
+        self._post_load_hook_handle = (
+            self._module_info.module.register_load_state_dict_post_hook(
+                lambda *args, **kwargs: self.reset_sharded_param()
+            )
+        )
+
+    def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
+        """Clamp the policy to this parameter (spec P5).
+
+        ``reduce_dtype`` equal to ``param_dtype`` becomes ``None``; ``param_dtype`` equal to the
+        original dtype, or on a non-floating parameter, becomes ``None``.
+        """
+        param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
+        self.orig_dtype = self.sharded_param.dtype
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def _init_extensions(self) -> None:
+        local = self._sharded_local_tensor
+        has_pre = hasattr(local, "fsdp_pre_all_gather")
+        if has_pre != hasattr(local, "fsdp_post_all_gather"):
+            raise AssertionError(
+                "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
+                f"if using all-gather extensions: {local}"
+            )
+        if has_pre:
+            self._extensions_data = ExtensionsData()
+        self._unsharded_inner_tensors: list[torch.Tensor] = []
+
+    def init_all_gather_outputs(
+        self,
+        all_gather_input_numels: list[int],
+        all_gather_input_dtypes: list[torch.dtype],
+        world_size: int,
+        device: torch.device,
+    ) -> None:
+        """Allocate the 1-D all-gather outputs once; later unshards reuse them."""
+        if self.all_gather_outputs:
+            return
+        self.all_gather_outputs = [
+            torch.empty(numel * world_size, dtype=dtype, device=device)
+            for numel, dtype in zip(all_gather_input_numels, all_gather_input_dtypes)
+        ]
+
+    def init_unsharded_param(self) -> None:
+        """Create the unsharded parameter on the first unshard; refill extensions' ``out=``."""
+        local = self._sharded_local_tensor
+        has_ext = hasattr(local, "fsdp_post_all_gather")
+        if hasattr(self, "_unsharded_param"):
+            if has_ext:
+                for tensor in self._unsharded_inner_tensors:
+                    alloc_storage(tensor)
+                local.fsdp_post_all_gather(
+                    self._unflatten_all_gather_outputs(),
+                    self._extensions_data.all_gather_metadata,
+                    self.param_dtype or self.orig_dtype,
+                    out=self._unsharded_param,
+                )
+                self._extensions_data.clear()
+            return
+        if has_ext:
+            unsharded, self._unsharded_inner_tensors = local.fsdp_post_all_gather(
+                self._unflatten_all_gather_outputs(),
+                self._extensions_data.all_gather_metadata,
+                self.param_dtype or self.orig_dtype,
+            )
+            self._extensions_data.clear()
+        else:
+            unsharded = self.all_gather_outputs[0]
+        unsharded = torch.as_strided(
+            unsharded, self._orig_size, self._contiguous_orig_stride, storage_offset=0
+        )
+        self._unsharded_param = nn.Parameter(
+            unsharded, requires_grad=self.sharded_param.requires_grad
+        )
+
+    def _unflatten_all_gather_outputs(self) -> tuple[torch.Tensor, ...]:
+        sizes = self._extensions_data.all_gather_input_sizes
+        return tuple(t.view(-1, *s[1:]) for t, s in zip(self.all_gather_outputs, sizes))
+
+    # ---- state transitions --------------------------------------------------------------
+    def to_sharded(self) -> None:
+        """Register the sharded parameter and free the unsharded one."""
+        self._setattr_on_modules(self.sharded_param)
+        self.free_unsharded_param()
+        self.sharded_state = ShardedState.SHARDED
+
+    def to_sharded_post_forward(self) -> None:
+        """Keep this rank's piece of the all-gather output for the smaller post-forward group."""
+        self._assert_in_states(ShardedState.UNSHARDED)
+        info = self.post_forward_mesh_info
+        if len(self.all_gather_outputs) != 1:
+            raise NotImplementedError(
+                "Resharding to a smaller mesh needs one all-gather output"
+            )
+        numel = self.all_gather_outputs[0].numel()
+        if numel % info.shard_mesh_size != 0:
+            raise AssertionError(
+                f"All-gather output size ({numel}) must be divisible by the shard world size "
+                f"({info.shard_mesh_size})"
+            )
+        sharded_numel = numel // info.shard_mesh_size
+        start = sharded_numel * info.shard_mesh_rank
+        # Clone so that the full all-gather output can be freed.
+        data = self.all_gather_outputs[0].narrow(0, start, sharded_numel).clone()
+        self._sharded_post_forward_param_data = data
+        local = torch.as_strided(
+            data,
+            self.sharded_post_forward_size,
+            self.contiguous_sharded_post_forward_stride,
+            0,
+        )
+        spec = DTensorSpec(
+            info.mesh,
+            (Replicate(), Shard(0)),
+            tensor_meta=self._sharding_spec.tensor_meta,
+        )
+        self._sharded_post_forward_param = nn.Parameter(
+            DTensor(local, spec, requires_grad=local.requires_grad),
+            requires_grad=self.sharded_param.requires_grad,
+        )
+        self._setattr_on_modules(self._sharded_post_forward_param)
+        self.free_unsharded_param()
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+
+    def to_unsharded(self) -> None:
+        """Register the unsharded parameter (its data must already be all-gathered)."""
+        if self._unsharded_param.requires_grad != self.sharded_param.requires_grad:
+            self._unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        self._setattr_on_modules(self._unsharded_param)
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            self._sharded_post_forward_param = None
+            self._sharded_post_forward_param_data = None
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _setattr_on_modules(self, param: nn.Parameter) -> None:
+        info = self._module_info
+        unsafe_setattr_param(info.module, info.param_name, param)
+        for module, name in zip(info.shared_modules, info.shared_param_names):
+            unsafe_setattr_param(module, name, param)
+
+    def to_sharded_dtensor(self, tensor: torch.Tensor) -> DTensor:
+        """Wrap a local tensor of ``sharded_size`` (a shard or a sharded grad) as a DTensor."""
+        if tensor.shape != self.sharded_size:
+            raise AssertionError(
+                f"Expects size {self.sharded_size} but got {tensor.shape}"
+            )
+        return DTensor(tensor, self._sharding_spec, requires_grad=tensor.requires_grad)
+
+    # ---- gradients -----------------------------------------------------------------------
+    def to_accumulated_grad_if_needed(self) -> None:
+        """Without reduction, move the unsharded grad to ``reduce_dtype`` for accumulation."""
+        grad = self._unsharded_param.grad
+        if self.reduce_dtype is None or grad is None or grad.dtype == self.reduce_dtype:
+            return
+        self._unsharded_param.grad = None
+        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+
+    def accumulate_unsharded_grad_if_needed(self) -> None:
+        if (
+            self.unsharded_accumulated_grad is not None
+            and self.unsharded_param.grad is not None
+        ):
+            self.unsharded_accumulated_grad += self.unsharded_param.grad
+            self.unsharded_param.grad = None
+
+    @property
+    def unsharded_grad_data(self) -> torch.Tensor:
+        return self.unsharded_param.grad
+
+    # ---- memory ----------------------------------------------------------------------------
+    def alloc_all_gather_outputs(self) -> None:
+        for tensor in self.all_gather_outputs:
+            alloc_storage(tensor)
+
+    def free_unsharded_param(self) -> None:
+        for tensor in [*self.all_gather_outputs, *self._unsharded_inner_tensors]:
+            free_storage(tensor)
+
+    # ---- all-gather inputs -----------------------------------------------------------------
+    @property
+    def all_gather_inputs(self) -> list[torch.Tensor]:  # 1D each
+        """This rank's contribution to the all-gather, per the current state (see the Note)."""
+        self._assert_in_states(ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
+        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+            if hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
+                raise NotImplementedError
+            return [
+                _to_dtype_if_needed(
+                    self._sharded_post_forward_param_data, self.param_dtype
+                )
+            ]
+        local = self._sharded_local_tensor
+        if not hasattr(local, "fsdp_pre_all_gather"):
+            data = self._sharded_param_data
+            if self.offload_to_cpu:
+                data = data.to(self.device, non_blocking=True)
+            return [_to_dtype_if_needed(data, self.param_dtype)]
+        if self.offload_to_cpu:
+            local = local.to(self.device, non_blocking=True)
+        signature = inspect.signature(local.fsdp_pre_all_gather)
+        if len(signature.parameters) == 1:  # legacy form: (mesh)
+            inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh_from_root)
+        elif len(signature.parameters) == 5:
+            inputs, metadata = local.fsdp_pre_all_gather(
+                self.shard_mesh_from_root,
+                self._orig_size,
+                self._contiguous_orig_stride,
+                self._module_info.module,
+                self.mp_policy,
+            )
+            padded = self.padded_sharded_param_size
+            if local.size() != padded and any(t.size() != padded for t in inputs):
+                raise AssertionError(
+                    "When a parameter is unevenly sharded by FSDP (orig size="
+                    f"{self._orig_size}, FSDP world size={self.mesh_info.mesh.size()}), "
+                    "fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
+                    f"size {padded} but got {[t.size() for t in inputs]}"
+                )
+        else:
+            raise AssertionError(
+                f"Invalid fsdp_pre_all_gather: {signature}\n"
+                "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
+                "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
+                "MixedPrecisionPolicy)"
+            )
+        self._extensions_data.all_gather_metadata = metadata
+        self._extensions_data.all_gather_input_sizes = [t.size() for t in inputs]
+        return [t.view(-1) for t in inputs]
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:  # ND
+        return self._unsharded_param
+
+    @property
+    def _sharded_local_tensor(self) -> torch.Tensor:
+        return self.sharded_param._local_tensor
+
+    @property
+    def _is_hsdp(self) -> bool:
+        return isinstance(self.mesh_info, HSDPMeshInfo)
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (the whole mesh for FSDP, its last dim for HSDP)."""
+        mesh = self.mesh_info.mesh
+        return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+
+    @property
+    def shard_mesh_from_root(self) -> DeviceMesh:
+        return self.shard_mesh
+
+    def _assert_in_states(self, *states: ShardedState) -> None:
+        if self.sharded_state not in states:
+            raise AssertionError(
+                f"Expects to be in one of {states}, not {self.sharded_state}"
+            )
+
+    # ---- re-padding after the module's parameter was replaced -----------------------------
+    def reset_sharded_param(self) -> None:
+        """Re-derive the padded buffer after the registered DTensor was replaced or moved.
+
+        Runs after ``load_state_dict`` (post hook), after ``nn.Module._apply`` (``to``,
+        ``to_empty``, ...) and once at lazy init. The module's current parameter becomes
+        ``sharded_param`` (``assign=True`` installs a new object). Unless its local tensor already
+        lives in ``_sharded_param_data``, it is copied into a fresh zero-padded buffer of
+        ``padded_sharded_param_size`` and the DTensor's local tensor becomes a narrow view of it.
+        Meta tensors are left alone.
+        """
+        info = self._module_info
+        new_param = getattr(info.module, info.param_name)
+        if new_param is not self.sharded_param:
+            if torch.__future__.get_swap_module_params_on_conversion():
+                raise AssertionError(
+                    f"Expects swap_tensors to preserve object but got {new_param} "
+                    f"instead of {self.sharded_param}"
+                )
+            self.sharded_param = new_param
+        local = new_param._local_tensor
+        if local.is_meta:
+            return
+        ptr = self._sharded_param_data.untyped_storage().data_ptr()
+        same_local_tensor = ptr > 0 and ptr == local.untyped_storage().data_ptr()
+        shard_dim = self.fsdp_placement.dim
+        length = local.size(shard_dim) if local.numel() > 0 else 0
+        updated = False
+        if local.size() != self.padded_sharded_param_size and not same_local_tensor:
+            if shard_dim != 0:
+                raise AssertionError(
+                    f"Shard({shard_dim}) requires even sharding: {local.size()=}"
+                )
+            padded = local.new_zeros(self.padded_sharded_param_size)
+            padded.narrow(shard_dim, 0, length).copy_(local)
+            local, updated = padded, True
+        if self.pin_memory and not local.is_pinned():
+            local, updated = local.cpu().pin_memory(), True
+        if not same_local_tensor:
+            self._sharded_param_data = local.view(-1)
+        if updated:
+            self.sharded_param._local_tensor = local.narrow(shard_dim, 0, length)
+        self._sharding_spec = self.sharded_param._spec
+
+    def __repr__(self) -> str:
+        return f"FSDPParam(fqn={self._param_fqn}, orig_size={self._orig_size})"
+
+
+_orig_param_uids = itertools.count()
+
+
+def _get_orig_param_uid(param: nn.Parameter) -> int:
+    """A stable id for an original parameter, stored on it (used to reject double wrapping)."""
+    if not hasattr(param, "_fsdp_orig_uid"):
+        param._fsdp_orig_uid = next(_orig_param_uids)
+    return param._fsdp_orig_uid
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give ``tensor``'s storage back its full size (after :func:`free_storage`)."""
+    size = tensor.numel() * tensor.itemsize
+    if (storage := tensor.untyped_storage()).size() != size:
+        storage.resize_(size)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory while keeping the tensor (and its views) alive."""
+    if (storage := tensor.untyped_storage()).size() != 0:
+        storage.resize_(0)
+
+
+def unsafe_setattr_param(
+    module: nn.Module, param_name: str, param: nn.Parameter
+) -> None:
+    """Swap a registered parameter, bypassing ``nn.Module.__setattr__`` checks when possible."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[param_name] = param
+    else:  # a module overriding __setattr__ gets the slow path
+        setattr(module, param_name, param)

@@ -1,0 +1,240 @@
+"""``fully_shard`` and ``FSDPModule``: the public face of the FSDP2 reference.
+
+``fully_shard(module)`` shards the parameters the module manages (those not already under a
+nested ``fully_shard``) into one :class:`FSDPParamGroup`, registers the forward hooks, and swaps
+the module's class to a dynamic subclass ``FSDP<Name>`` of ``(FSDPModule, <Name>)`` so that the
+FSDP methods below become available on it. Apply it bottom-up: to each block, then to the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.utils import _get_root_modules
+
+from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_init import (
+    _get_device_from_mesh,
+    _get_managed_modules,
+    _get_managed_states,
+    _get_mesh_info,
+    _get_post_forward_mesh_info,
+    _init_default_mesh,
+    _move_states_to_device,
+    _validate_mesh,
+    _validate_module,
+)
+from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_state import FSDPState, _get_module_fsdp_state
+
+cls_to_fsdp_cls: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (upstream's signature)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s managed parameters over ``mesh`` and return ``module`` (in place).
+
+    Args (as upstream ``torch.distributed.fsdp.fully_shard``):
+        module: a module, or a list of modules to group into one all-gather / reduce-scatter.
+        mesh: 1-D (FSDP) or 2-D named ``(replicate, shard)`` (HSDP) mesh; defaults to the whole
+            default group on the build's accelerator (or CPU).
+        reshard_after_forward: ``True`` free after forward; ``False`` keep; ``None`` = ``False``
+            for the root and ``True`` otherwise; an int reshards onto groups of that size.
+        shard_placement_fn: ``param -> Shard(d) | None`` to shard on dim ``d`` (``None``: dim 0).
+            Dims other than 0 must divide evenly by the shard-mesh size.
+        mp_policy / offload_policy: see :class:`MixedPrecisionPolicy` / ``CPUOffloadPolicy``.
+        ignored_params: parameters left alone (not sharded, not moved, grads not reduced).
+
+    Every argument is checked before the module is changed.
+    """
+    _validate_module(module, "fully_shard")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy, not {type(mp_policy)}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy, not {type(offload_policy)}"
+        )
+    modules = (
+        (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(module))
+    )
+    for m in modules:
+        if _get_module_fsdp_state(m) is not None:
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard has already been applied to the following module:\n{m}"
+            )
+    mesh = mesh or _init_default_mesh()
+    _validate_mesh(mesh)
+    mesh_info = _get_mesh_info(mesh)
+    device = _get_device_from_mesh(mesh)
+    auto_reshard_after_forward = reshard_after_forward is None
+    post_forward_mesh_info = _get_post_forward_mesh_info(
+        True if auto_reshard_after_forward else reshard_after_forward, mesh_info
+    )
+    managed_modules = _get_managed_modules(
+        modules, ignored_params, _get_module_fsdp_state
+    )
+    params, buffers = _get_managed_states(managed_modules, ignored_params)
+    _move_states_to_device(params, buffers, device)
+    state = FSDPState()
+    if params:  # builds and validates every FSDPParam before registering any of them
+        state._fsdp_param_groups.append(
+            FSDPParamGroup(
+                params, modules, mesh_info, post_forward_mesh_info, device,
+                shard_placement_fn, mp_policy, offload_policy,
+            )
+        )  # fmt: skip
+    state.init(modules, device, mp_policy, auto_reshard_after_forward)
+    for managed_module in managed_modules:
+        managed_module._is_fsdp_managed_module = True
+        managed_module._fsdp_use_orig_params = True
+    for m in modules:  # swap in the FSDP<Name> class
+        cls = type(m)
+        if cls not in cls_to_fsdp_cls:
+            dct = {"__deepcopy__": _unimplemented_deepcopy}
+            cls_to_fsdp_cls[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), dct)
+        m.__class__ = cls_to_fsdp_cls[cls]
+    return module
+
+
+def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization."
+    )
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` was applied to (``FSDP<Name>``)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers build new instances with `type(self)(...)` (e.g. slicing nn.Sequential):
+        # those are plain modules of the original class, not FSDP modules.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones (not recursive)."""
+        for group in self._get_fsdp_state()._fsdp_param_groups:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (not recursive), following ``param_dtype``.
+
+        With ``async_op=True`` returns an :class:`UnshardHandle`; its ``wait()`` (or the next
+        pre-forward) finishes the unshard. Otherwise waits and returns ``None``.
+        """
+        state = self._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            group.lazy_init()
+            group.unshard(async_op=async_op)
+        handle = _UnshardHandleImpl(list(state._fsdp_param_groups))
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (finalizes pending work if so)."""
+        self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ):
+        """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+            group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(
+        self, requires_all_reduce: bool, *, recurse: bool = True
+    ):
+        """HSDP: all-reduce over the replicate group (``True``) or accumulate the partial sum."""
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, recurse: bool = True
+    ):
+        """Change ``reshard_after_forward`` at run time (a bool; overrides the root default)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(  # noqa: TRY004 (upstream raises ValueError)
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        for module in self.modules() if recurse else [self]:
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                state._auto_reshard_after_forward = False
+                for group in state._fsdp_param_groups:
+                    group.post_forward_mesh_info = _get_post_forward_mesh_info(
+                        reshard_after_forward, group.mesh_info
+                    )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ):
+        """Whether to free the unsharded parameters after backward (default ``True``)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
+        for group in self._get_fsdp_state()._fsdp_param_groups:
+            group.gradient_divide_factor = factor
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        modules = self.modules() if recurse else [self]
+        return [
+            group
+            for module in modules
+            if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups
+        ]
+
+    def _get_fsdp_state(self) -> FSDPState:
+        if (state := _get_module_fsdp_state(self)) is None:
+            raise AssertionError(f"No FSDP state found on {self}")
+        return state
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``to`` / ``to_empty`` / ``cpu`` ...: reshard, apply, then re-pad every shard."""
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)
+        with torch.no_grad():
+            for group in self._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
+        return ret
+
+
+class UnshardHandle:
+    """A handle on an asynchronous :meth:`FSDPModule.unshard`."""
+
+    def wait(self) -> None:
+        """Finish the unshard: the unsharded parameters are registered on return."""
+
+
+class _UnshardHandleImpl(UnshardHandle):
+    def __init__(self, fsdp_param_groups: list[FSDPParamGroup]):
+        self._fsdp_param_groups: list[FSDPParamGroup] | None = fsdp_param_groups
+
+    def wait(self) -> None:
+        for group in self._fsdp_param_groups or []:
+            group.wait_for_unshard()
+        self._fsdp_param_groups = None
