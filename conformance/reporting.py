@@ -38,7 +38,7 @@ def _message(report, outcome: str) -> str:
     if outcome == "xfail":
         return f"expected failure: {report.wasxfail}"
     if report.skipped and isinstance(report.longrepr, tuple):
-        return report.longrepr[2]
+        return report.longrepr[2].removeprefix("Skipped: ")
     if report.failed:
         text = str(report.longrepr)
         return text if len(text) < 20000 else text[:20000] + "\n... (truncated)"
@@ -155,8 +155,15 @@ def _environment(session, wall: float) -> dict:
             for spec, impl in session.impls.items()
         ],
         "process_group_spawns": {str(k): v for k, v in session.spawns.items()},
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "command": _command_line(),
     }
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("conformance/__main__.py", "conformance\\__main__.py")):
+        argv = ["python", "-m", "conformance", *argv[1:]]
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def write_files(session, wall: float, stale, directory: Path) -> None:
@@ -195,11 +202,15 @@ def markdown(env: dict, records: list[dict], stale) -> str:
         "```",
         "",
     ]
-    for title, outcome in (
-        ("Failures", "fail"),
-        ("Expected failures", "xfail"),
-        ("Not supported", "not-supported"),
-    ):
+    unsupported = Counter(
+        (r["impl"], r["message"]) for r in records if r["outcome"] == "not-supported"
+    )
+    if unsupported:
+        out += ["## Not supported", "", "| implementation | reason | cases |", "|---|---|---|"]
+        out += [f"| {impl} | {msg} | {n} |" for (impl, msg), n in sorted(unsupported.items())] + [
+            ""
+        ]
+    for title, outcome in (("Failures", "fail"), ("Expected failures", "xfail")):
         chosen = [r for r in records if r["outcome"] == outcome]
         if not chosen:
             continue
