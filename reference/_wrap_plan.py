@@ -37,7 +37,6 @@ from torch import nn
 from reference._wrap_utils import (
     _check_nested_wrapping,
     _classes_present,
-    _get_managed_param_to_fqn,
     _has_fsdp_state,
     _mixed_precision_classes_to_ignore,
     _post_order_apply,
@@ -56,7 +55,8 @@ class WrapPlanEntry:
 
     module_fqn: str  # "" for the root
     kwargs: Mapping[str, Any]  # read-only; what FSDP1 would construct this unit with
-    param_fqns: tuple[str, ...]  # the parameters this unit manages, by FQN from the root
+    param_fqns: tuple[str, ...]  # parameters this unit manages: FQNs from the root, in
+    #                              named_parameters() order (a tied one under its first name)
 
 
 @dataclass(frozen=True)
@@ -149,15 +149,42 @@ def build_wrap_plan(
 
     entries: list[WrapPlanEntry] = []
     walked: set[nn.Module] = set()
-    claimed: set[nn.Parameter] = set()
+    claimed: set[nn.Parameter] = set(ignored_param_set)
     for module in build_order:
-        managed = _get_managed_param_to_fqn(module, ignored_param_set, walked, names[module])
-        fqns = tuple(fqn for p, fqn in managed.items() if p not in claimed)
-        claimed.update(managed)
+        fqns = _claim_params(module, names[module], walked, claimed)
         kwargs = root_kwargs if module is root else targets[module]
         entries.append(WrapPlanEntry(names[module], MappingProxyType(dict(kwargs)), fqns))
     ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
     return WrapPlan(tuple(entries), ignored_fqns)
+
+
+def _claim_params(
+    unit: nn.Module, prefix: str, walked: set[nn.Module], claimed: set[nn.Parameter]
+) -> tuple[str, ...]:
+    """FQNs of the parameters ``unit`` manages, in ``named_parameters()`` order.
+
+    Depth-first in registration order, not entering ``walked`` modules (earlier units'
+    subtrees), skipping ``claimed`` parameters; marks what it walks and claims. A parameter
+    registered under several names inside the unit gets the first one (as FSDP1 names it).
+    """
+    fqns: list[str] = []
+    stack = [(unit, prefix)]
+    while stack:
+        module, name = stack.pop()
+        if module in walked:
+            continue
+        walked.add(module)
+        for param_name, param in module.named_parameters(recurse=False):
+            if param not in claimed:
+                claimed.add(param)
+                fqns.append(f"{name}.{param_name}" if name else param_name)
+        children = [
+            (child, f"{name}.{child_name}" if name else child_name)
+            for child_name, child in module.named_children()
+            if child is not None
+        ]
+        stack.extend(reversed(children))  # pop() then yields them in registration order
+    return tuple(fqns)
 
 
 def _check_uniform(items: list, cls: type, message: str) -> None:

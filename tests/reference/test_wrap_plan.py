@@ -165,6 +165,16 @@ def torch_fsdp1_units(model, policy, ignored, mp, use_orig_params):
     return {clean(n): m for n, m in fsdp.named_modules() if isinstance(m, FSDP)}
 
 
+def torch_param_groups(units) -> dict[str, set[str]]:
+    """{unit fqn: FQNs (from the root) of the original parameters in its flat parameter}."""
+    groups = {}
+    for fqn, unit in units.items():
+        handle = unit._handle
+        names = handle.flat_param._fqns if handle is not None else []
+        groups[fqn] = {f"{fqn}.{n}" if fqn else n for n in names}
+    return groups
+
+
 def torch_auto_wrap_calls(model, policy, ignored, root_kwargs):
     """What torch's ``_auto_wrap`` passes to the FSDP class, in call order: [(fqn, kwargs)]."""
     names = {m: n for n, m in model.named_modules()}
@@ -255,6 +265,7 @@ def test_plan_matches_torch_fsdp1(
             assert units[fqn].mixed_precision == (planned_mp or MixedPrecision())
             if fqn:
                 assert units[fqn].forward_prefetch == kwargs.get("forward_prefetch", False)
+        assert torch_param_groups(units) == {e.module_fqn: set(e.param_fqns) for e in plan.entries}
     else:
         assert "requires_grad" in str(torch_error), torch_error
 
@@ -519,6 +530,22 @@ ZOO = {
 }
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_tied_parameter_goes_to_the_first_unit(use_orig_params):
+    policy = {nn.Embedding, nn.Linear}
+    plan = build_wrap_plan(Tied(), W.ModuleWrapPolicy(policy))
+    groups = {e.module_fqn: e.param_fqns for e in plan.entries}
+    assert groups["emb"] == ("emb.weight",) and groups["head"] == () and groups[""] == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        units = torch_fsdp1_units(Tied(), TW.ModuleWrapPolicy(policy), [], None, use_orig_params)
+    torch_groups = torch_param_groups(units)
+    assert torch_groups["emb"] == {"emb.weight"}
+    # torch 2.13 FSDP1 with use_orig_params=False flattens the tied weight a second time into
+    # the later unit; with use_orig_params=True it skips it there, as the plan does.
+    assert torch_groups["head"] == (set() if use_orig_params else {"head.weight"})
+
+
 @pytest.mark.parametrize("case", sorted(ZOO))
 def test_zoo_reference_machinery_matches_torch_fsdp1(case):
     make_model, make_policy, pick_ignored, with_mp = ZOO[case]
@@ -527,7 +554,7 @@ def test_zoo_reference_machinery_matches_torch_fsdp1(case):
         warnings.simplefilter("ignore")
         torch_model = make_model()
         ignored = pick_ignored(torch_model) if pick_ignored else []
-        units = torch_fsdp1_units(torch_model, make_policy(TW), ignored, mp, False)
+        units = torch_fsdp1_units(torch_model, make_policy(TW), ignored, mp, True)
 
         ref_model = make_model()
         ignored = pick_ignored(ref_model) if pick_ignored else []
@@ -547,6 +574,7 @@ def test_zoo_reference_machinery_matches_torch_fsdp1(case):
             ref_units[".".join(p for p in name.split(".") if p != "module")] = module
     assert set(ref_units) == set(units)
     assert set(plan.module_fqns) == set(units)
+    assert torch_param_groups(units) == {e.module_fqn: set(e.param_fqns) for e in plan.entries}
     # Spec W3/W4/W5: these leave everything in the root's unit; every other case splits.
     root_only = {"custom-force-leaf", "modulelist-small", "nested-size40-ignored"}
     assert (len(units) == 1) == (case in root_only)
