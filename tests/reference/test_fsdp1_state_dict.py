@@ -11,8 +11,10 @@ ignored modules, S17 use_orig_params, training parity, and bad input leaving par
 from __future__ import annotations
 
 import math
+import traceback
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -250,10 +252,6 @@ def _check_sharded_rule(rank, ws, ref, RF):
         assert (shards[0].tensor.numel() if shards else 0) == mine, f"rank {rank}: {key}"
 
 
-def test_layouts_values_round_trips_against_torch():
-    run_on_ranks(_body_layouts, 2)
-
-
 # -- body 2: buffers, mixed precision, ignored modules, non-FSDP roots ---------------------------
 
 
@@ -354,10 +352,6 @@ def _check_non_fsdp_root(rank, ref, RF, tfsdp, TF):
         with cls.state_dict_type(root, api.StateDictType.FULL_STATE_DICT, cfg):
             keys.append(sorted(root.state_dict()))
     assert keys[0] == keys[1], f"rank {rank}: {keys[0]} != torch {keys[1]}"
-
-
-def test_buffers_mixed_precision_ignored_modules_against_torch():
-    run_on_ranks(_body_buffers, 2)
 
 
 # -- body 3: bad input, device mesh, NO_SHARD ----------------------------------------------------
@@ -517,23 +511,23 @@ def _check_no_shard(rank, ref, RF, full):
     _assert_same_sd(_full_sd(ref, RF, model), full, f"rank {rank} NO_SHARD load")
 
 
-def test_bad_input_device_mesh_no_shard():
-    run_on_ranks(_body_bad_input, 2)
-
-
-# -- body 4: world size 1 -------------------------------------------------------------------------
+# -- body 4: world size 1 (a size-1 group per rank) -------------------------------------------------------------------------
 
 
 def _body_world_size_one(rank, ws):
+    """Each rank builds its models on a process group of its own (size 1)."""
+    import torch.distributed as dist
+
     (ref, RF), (tfsdp, TF) = _impls()
+    solo = [dist.new_group([r]) for r in range(ws)][rank]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ours, _ = _nested(RF, 8)
+        ours, _ = _nested(RF, 8, process_group=solo)
     texts = [str(w.message) for w in caught]
     expected = "FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.FULL_SHARD since "
     assert any(t.startswith(expected) for t in texts), texts
     assert ours.sharding_strategy == ref.ShardingStrategy.NO_SHARD
-    theirs, _ = _nested(TF, 8)
+    theirs, _ = _nested(TF, 8, process_group=solo)
     TFSDP = tfsdp.FullyShardedDataParallel
     with RF.state_dict_type(ours, ref.StateDictType.SHARDED_STATE_DICT):
         sd_ours = ours.state_dict()
@@ -546,5 +540,50 @@ def _body_world_size_one(rank, ws):
     ]
 
 
-def test_world_size_one_runs_no_shard():
-    run_on_ranks(_body_world_size_one, 1)
+# -- one spawn for every two-rank section; one test per section ---------------------------------
+
+_SECTIONS = {
+    "layouts": _body_layouts,
+    "buffers": _body_buffers,
+    "bad_input": _body_bad_input,
+    "world_size_one": _body_world_size_one,
+}
+
+
+def _body_all(rank, ws):
+    """Run every section; a failing section reports its traceback and the next one still runs
+    (process start and imports dominate the cost on a loaded 2-core machine)."""
+    out = {}
+    for name, body in _SECTIONS.items():
+        try:
+            body(rank, ws)
+            out[name] = None
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_on_ranks(_body_all, 2, timeout=300)
+
+
+def _check_section(results, name):
+    errors = [f"rank {r}:\n{res[name]}" for r, res in enumerate(results) if res[name]]
+    assert not errors, "\n".join(errors)
+
+
+def test_layouts_values_round_trips_against_torch(two_rank_results):
+    _check_section(two_rank_results, "layouts")
+
+
+def test_buffers_mixed_precision_ignored_modules_against_torch(two_rank_results):
+    _check_section(two_rank_results, "buffers")
+
+
+def test_bad_input_device_mesh_no_shard(two_rank_results):
+    _check_section(two_rank_results, "bad_input")
+
+
+def test_world_size_one_runs_no_shard(two_rank_results):
+    _check_section(two_rank_results, "world_size_one")
