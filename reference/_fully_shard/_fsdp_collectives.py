@@ -37,9 +37,7 @@ from ._shard_math import dim0_padded_size
 
 
 class AllGatherResult(NamedTuple):
-    all_gather_output: (
-        torch.Tensor
-    )  # 1D, world_size * sum(all_gather_input_split_sizes)
+    all_gather_output: torch.Tensor  # 1D, world_size * sum(all_gather_input_split_sizes)
     all_gather_work: dist.Work | None  # set iff async
     param_all_gather_input_dtypes: list[list[torch.dtype]]
     param_all_gather_input_numels: list[list[int]]
@@ -69,9 +67,7 @@ def foreach_all_gather(
     my_row = output.narrow(0, input_numel * rank, input_numel)
     torch._foreach_copy_(list(torch.split(my_row, split_sizes)), flat_inputs)
     work = dist.all_gather_single(output, my_row, group=group, async_op=async_op)
-    return AllGatherResult(
-        output, work if async_op else None, dtypes, numels, split_sizes
-    )
+    return AllGatherResult(output, work if async_op else None, dtypes, numels, split_sizes)
 
 
 @torch.no_grad()
@@ -102,11 +98,7 @@ def foreach_all_gather_copy_out(
     # The unsharded parameters alias these outputs; refilling them must not bump the version
     # counters that autograd checks for tensors it saved in forward.
     tracked = tuple(v for v in views if not v.is_inference())
-    with (
-        torch.autograd._unsafe_preserve_version_counter(tracked)
-        if tracked
-        else nullcontext()
-    ):
+    with torch.autograd._unsafe_preserve_version_counter(tracked) if tracked else nullcontext():
         torch.split_with_sizes_copy(
             output.view(world_size, -1),
             result.all_gather_input_split_sizes,
@@ -119,9 +111,7 @@ def foreach_all_gather_copy_out(
         stacked = [padded[0] * world_size, *padded[1:]]
         catted = list(padded)
         catted[shard_dim] *= world_size
-        with torch.autograd._unsafe_preserve_version_counter(
-            tuple(fsdp_param.all_gather_outputs)
-        ):
+        with torch.autograd._unsafe_preserve_version_counter(tuple(fsdp_param.all_gather_outputs)):
             for temp, target in zip(temps, fsdp_param.all_gather_outputs):
                 chunks = torch.chunk(temp.view(stacked), world_size, dim=0)
                 torch.cat(chunks, dim=shard_dim, out=target.view(catted))
@@ -158,21 +148,13 @@ def foreach_reduce(
     if world_size > 1:  # bring Shard(d != 0) grads into the dim-0 chunk layout
         for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
             if (shard_dim := fsdp_param.fsdp_placement.dim) != 0:
-                unsharded_grads[i] = torch.cat(
-                    torch.chunk(grad, world_size, shard_dim), dim=0
-                )
-    padded_sizes = [
-        dim0_padded_size(grad.size(), world_size) for grad in unsharded_grads
-    ]
+                unsharded_grads[i] = torch.cat(torch.chunk(grad, world_size, shard_dim), dim=0)
+    padded_sizes = [dim0_padded_size(grad.size(), world_size) for grad in unsharded_grads]
     input_numel = sum(torch.Size(s).numel() for s in padded_sizes)
     reduce_scatter_input = torch.empty(input_numel, dtype=reduce_dtype, device=device)
-    torch._chunk_cat(
-        unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1)
-    )
+    torch._chunk_cat(unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1))
     unsharded_grads.clear()
-    reduce_output = torch.empty(
-        input_numel // world_size, dtype=reduce_dtype, device=device
-    )
+    reduce_output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:
         dist.reduce_scatter_single(
@@ -208,9 +190,7 @@ def foreach_reduce(
             sharded_param.grad._local_tensor += new_grad
         else:
             sharded_param.grad = fsdp_param.to_sharded_dtensor(new_grad)
-        for hook in (
-            getattr(sharded_param, "_post_accumulate_grad_hooks", None) or {}
-        ).values():
+        for hook in (getattr(sharded_param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(sharded_param)
         offset += torch.Size(padded_size).numel() // world_size
     return None

@@ -11,11 +11,13 @@ rank's coordinates so that the rest of the code never re-derives them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -31,9 +33,7 @@ class FSDPMeshInfo:
         if self.shard_mesh_dim is None:
             raise AssertionError("Expects non-None shard_mesh_dim")
         self.shard_mesh_size: int = self.mesh.size(self.shard_mesh_dim)
-        self.shard_process_group: dist.ProcessGroup = self.mesh.get_group(
-            self.shard_mesh_dim
-        )
+        self.shard_process_group: dist.ProcessGroup = self.mesh.get_group(self.shard_mesh_dim)
         self.shard_mesh_rank: int = self.shard_process_group.rank()
 
 
@@ -59,27 +59,21 @@ class TrainingState(Enum):
     IDLE = auto()  # none of the above
 
 
-def _chunk_with_empty(
-    tensor: torch.Tensor, num_chunks: int, dim: int
-) -> list[torch.Tensor]:
+def _chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
     """``torch.chunk`` padded with empty tensors to exactly ``num_chunks`` chunks."""
     chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
     chunks += [chunks[0].new_empty(0)] * (num_chunks - len(chunks))
     return chunks
 
 
-def _get_dim_chunked_size(
-    chunk: torch.Tensor, unchunked: torch.Size, dim: int
-) -> torch.Size:
+def _get_dim_chunked_size(chunk: torch.Tensor, unchunked: torch.Size, dim: int) -> torch.Size:
     """A chunk's size, or for an empty chunk the unchunked size with 0 at ``dim``."""
     if chunk.numel() > 0:
         return chunk.size()
     return unchunked[:dim] + torch.Size([0]) + unchunked[dim + 1 :]
 
 
-def _to_dtype_if_needed(
-    tensor: torch.Tensor, dtype: torch.dtype | None
-) -> torch.Tensor:
+def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None and tensor.dtype != dtype:
         return tensor.to(dtype)
     return tensor
@@ -95,3 +89,34 @@ def _cast_fp_tensor(dtype: torch.dtype, x: object) -> object:
 def is_bw() -> bool:
     """Whether autograd's engine is currently running a backward pass."""
     return torch._C._current_graph_task_id() != -1
+
+
+_orig_param_uids = itertools.count()
+
+
+def _get_orig_param_uid(param: nn.Parameter) -> int:
+    """A stable id for an original parameter, stored on it (used to reject double wrapping)."""
+    if not hasattr(param, "_fsdp_orig_uid"):
+        param._fsdp_orig_uid = next(_orig_param_uids)
+    return param._fsdp_orig_uid
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give ``tensor``'s storage back its full size (after :func:`free_storage`)."""
+    size = tensor.numel() * tensor.itemsize
+    if (storage := tensor.untyped_storage()).size() != size:
+        storage.resize_(size)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory while keeping the tensor (and its views) alive."""
+    if (storage := tensor.untyped_storage()).size() != 0:
+        storage.resize_(0)
+
+
+def unsafe_setattr_param(module: nn.Module, param_name: str, param: nn.Parameter) -> None:
+    """Swap a registered parameter, bypassing ``nn.Module.__setattr__`` checks when possible."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[param_name] = param
+    else:  # a module overriding __setattr__ gets the slow path
+        setattr(module, param_name, param)

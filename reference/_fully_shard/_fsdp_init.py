@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
@@ -29,10 +30,7 @@ logger = logging.getLogger("reference.fully_shard")
 
 def _validate_module(module: nn.Module | list[nn.Module], func_name: str) -> None:
     for m in module if isinstance(module, list) else [module]:
-        if (
-            isinstance(m, (nn.ModuleList, nn.ModuleDict))
-            and type(m).forward is nn.Module.forward
-        ):
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"{func_name} does not support containers that do not implement forward: {m}"
             )
@@ -42,9 +40,7 @@ def _validate_mesh(mesh: DeviceMesh) -> None:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError(
-            "Please init the 2D mesh for HSDP with mesh_dim_names specified"
-        )
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
 
 
 def _get_mesh_info(mesh: DeviceMesh) -> FSDPMeshInfo:
@@ -175,3 +171,51 @@ def _move_states_to_device(
         if tensor.device == device or tensor.device.type == "meta":
             continue
         tensor.data = tensor.to(device)
+
+
+def _resolve_shard_placement(
+    param: nn.Parameter, placement_fn, mesh_info: FSDPMeshInfo, device: torch.device
+) -> Shard:
+    """Validate ``param`` and return its FSDP placement (spec P12, P13).
+
+    ``shard_placement_fn(param)`` may return ``None`` (dim 0) or ``Shard(d)`` (negative ``d``
+    counts from the end). The parameter must be contiguous and not a DTensor; ``d`` must exist;
+    a dim other than 0 must divide evenly by the shard-mesh size.
+    """
+    placement = placement_fn(param) if callable(placement_fn) else None
+    if placement is None:
+        placement = Shard(0)
+    elif not isinstance(placement, Shard):
+        if type(placement).__name__ == "ShardPlacementResult":
+            raise NotImplementedError(
+                "The reference fully_shard does not support per-parameter meshes "
+                "(ShardPlacementResult); return a Shard placement or None instead"
+            )
+        raise ValueError(f"Invalid shard_placement_fn result: {placement}")
+    if param.device != device and param.device.type != "meta":
+        raise AssertionError(
+            f"Expects the parameter to already be moved to device {device} but got {param.device}"
+        )
+    if not param.is_contiguous():
+        raise NotImplementedError(
+            f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"
+        )
+    if placement.dim < 0:
+        placement = Shard(placement.dim + param.ndim)
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            "The reference fully_shard does not support DTensor (tensor-parallel) "
+            "parameters; apply it to modules whose parameters are plain tensors"
+        )
+    shard_dim = placement.dim
+    if shard_dim >= param.ndim:
+        raise AssertionError(
+            f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: {param.shape}"
+        )
+    ws = mesh_info.shard_mesh_size
+    if shard_dim > 0 and param.size(shard_dim) % ws != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {shard_dim}: "
+            f"{param.size()} (world size: {ws})"
+        )
+    return placement

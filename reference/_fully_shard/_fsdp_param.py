@@ -27,12 +27,9 @@ alias valid; unsharding resizes the storage back before the copy-out writes into
 
 from __future__ import annotations
 
-import inspect
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 import torch
 from torch import nn
@@ -46,8 +43,14 @@ from ._fsdp_common import (
     HSDPMeshInfo,
     _chunk_with_empty,
     _get_dim_chunked_size,
+    _get_orig_param_uid,
     _to_dtype_if_needed,
+    alloc_storage,
+    free_storage,
+    unsafe_setattr_param,
 )
+from ._fsdp_extensions import ExtensionsData, has_extensions, post_all_gather, pre_all_gather
+from ._fsdp_init import _resolve_shard_placement
 from ._shard_math import contiguous_strides
 
 
@@ -79,18 +82,6 @@ class ParamModuleInfo:
     param_name: str
     shared_modules: list[nn.Module] = field(default_factory=list)
     shared_param_names: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ExtensionsData:
-    """What an all-gather extension's pre hook produced, kept until its post hook runs."""
-
-    all_gather_metadata: Any | None = None
-    all_gather_input_sizes: list[torch.Size] = field(default_factory=list)  # ND
-
-    def clear(self) -> None:
-        self.all_gather_metadata = None
-        self.all_gather_input_sizes = []
 
 
 class FSDPParam:
@@ -152,48 +143,11 @@ class FSDPParam:
 
     # ---- construction -------------------------------------------------------------------
     @torch.no_grad()
-    def _init_sharded_param(
-        self, param: nn.Parameter, device: torch.device, placement_fn
-    ) -> None:
-        placement = placement_fn(param) if callable(placement_fn) else None
-        if placement is None:
-            placement = Shard(0)
-        elif not isinstance(placement, Shard):
-            if type(placement).__name__ == "ShardPlacementResult":
-                raise NotImplementedError(
-                    "The reference fully_shard does not support per-parameter meshes "
-                    "(ShardPlacementResult); return a Shard placement or None instead"
-                )
-            raise ValueError(f"Invalid shard_placement_fn result: {placement}")
-        if param.device != device and param.device.type != "meta":
-            raise AssertionError(
-                f"Expects the parameter to already be moved to device {device} but got "
-                f"{param.device}"
-            )
-        if not param.is_contiguous():
-            raise NotImplementedError(
-                f"FSDP does not support non-contiguous parameters yet: {param.shape=} "
-                f"{param.stride()=}"
-            )
-        if placement.dim < 0:
-            placement = Shard(placement.dim + param.ndim)
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                "The reference fully_shard does not support DTensor (tensor-parallel) "
-                "parameters; apply it to modules whose parameters are plain tensors"
-            )
+    def _init_sharded_param(self, param: nn.Parameter, device: torch.device, placement_fn) -> None:
+        placement = _resolve_shard_placement(param, placement_fn, self.mesh_info, device)
         self.fsdp_placement = placement
         shard_dim = placement.dim
-        if shard_dim >= param.ndim:
-            raise AssertionError(
-                f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: {param.shape}"
-            )
         ws, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
-        if shard_dim > 0 and param.size(shard_dim) % ws != 0:
-            raise NotImplementedError(
-                f"FSDP does not support uneven sharding on dim {shard_dim}: "
-                f"{param.size()} (world size: {ws})"
-            )
         self.is_dtensor = False
         self._orig_param_uid = _get_orig_param_uid(param)
         self._orig_size = param.size()
@@ -220,9 +174,7 @@ class FSDPParam:
         self._sharded_param_data = padded.view(-1)
         local = padded.narrow(shard_dim, 0, length)
         if not local.is_contiguous():
-            raise AssertionError(
-                f"Expected contiguous tensor with {self.fsdp_placement=}"
-            )
+            raise AssertionError(f"Expected contiguous tensor with {self.fsdp_placement=}")
         self.sharded_param = nn.Parameter(
             self.to_sharded_dtensor(local), requires_grad=param.requires_grad
         )
@@ -241,10 +193,8 @@ class FSDPParam:
     def _attach_to_module(self) -> None:
         """Register the sharded parameter on its module(s) and the post-load re-pad hook."""
         self._setattr_on_modules(self.sharded_param)
-        self._post_load_hook_handle = (
-            self._module_info.module.register_load_state_dict_post_hook(
-                lambda *args, **kwargs: self.reset_sharded_param()
-            )
+        self._post_load_hook_handle = self._module_info.module.register_load_state_dict_post_hook(
+            lambda *args, **kwargs: self.reset_sharded_param()
         )
 
     def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
@@ -262,14 +212,7 @@ class FSDPParam:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def _init_extensions(self) -> None:
-        local = self._sharded_local_tensor
-        has_pre = hasattr(local, "fsdp_pre_all_gather")
-        if has_pre != hasattr(local, "fsdp_post_all_gather"):
-            raise AssertionError(
-                "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
-                f"if using all-gather extensions: {local}"
-            )
-        if has_pre:
+        if has_extensions(self._sharded_local_tensor):
             self._extensions_data = ExtensionsData()
         self._unsharded_inner_tensors: list[torch.Tensor] = []
 
@@ -289,28 +232,14 @@ class FSDPParam:
         ]
 
     def init_unsharded_param(self) -> None:
-        """Create the unsharded parameter on the first unshard; refill extensions' ``out=``."""
+        """Create the unsharded parameter on the first unshard (later unshards refill it)."""
         local = self._sharded_local_tensor
-        has_ext = hasattr(local, "fsdp_post_all_gather")
-        if hasattr(self, "_unsharded_param"):
-            if has_ext:
-                for tensor in self._unsharded_inner_tensors:
-                    alloc_storage(tensor)
-                local.fsdp_post_all_gather(
-                    self._unflatten_all_gather_outputs(),
-                    self._extensions_data.all_gather_metadata,
-                    self.param_dtype or self.orig_dtype,
-                    out=self._unsharded_param,
-                )
-                self._extensions_data.clear()
-            return
-        if has_ext:
-            unsharded, self._unsharded_inner_tensors = local.fsdp_post_all_gather(
-                self._unflatten_all_gather_outputs(),
-                self._extensions_data.all_gather_metadata,
-                self.param_dtype or self.orig_dtype,
-            )
-            self._extensions_data.clear()
+        if hasattr(local, "fsdp_post_all_gather"):
+            unsharded = post_all_gather(self, local)  # refills in place after the first time
+            if unsharded is None:
+                return
+        elif hasattr(self, "_unsharded_param"):
+            return  # a view of all_gather_outputs[0], already refilled by the copy-out
         else:
             unsharded = self.all_gather_outputs[0]
         unsharded = torch.as_strided(
@@ -319,10 +248,6 @@ class FSDPParam:
         self._unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
-
-    def _unflatten_all_gather_outputs(self) -> tuple[torch.Tensor, ...]:
-        sizes = self._extensions_data.all_gather_input_sizes
-        return tuple(t.view(-1, *s[1:]) for t, s in zip(self.all_gather_outputs, sizes))
 
     # ---- state transitions --------------------------------------------------------------
     def to_sharded(self) -> None:
@@ -336,9 +261,7 @@ class FSDPParam:
         self._assert_in_states(ShardedState.UNSHARDED)
         info = self.post_forward_mesh_info
         if len(self.all_gather_outputs) != 1:
-            raise NotImplementedError(
-                "Resharding to a smaller mesh needs one all-gather output"
-            )
+            raise NotImplementedError("Resharding to a smaller mesh needs one all-gather output")
         numel = self.all_gather_outputs[0].numel()
         if numel % info.shard_mesh_size != 0:
             raise AssertionError(
@@ -388,9 +311,7 @@ class FSDPParam:
     def to_sharded_dtensor(self, tensor: torch.Tensor) -> DTensor:
         """Wrap a local tensor of ``sharded_size`` (a shard or a sharded grad) as a DTensor."""
         if tensor.shape != self.sharded_size:
-            raise AssertionError(
-                f"Expects size {self.sharded_size} but got {tensor.shape}"
-            )
+            raise AssertionError(f"Expects size {self.sharded_size} but got {tensor.shape}")
         return DTensor(tensor, self._sharding_spec, requires_grad=tensor.requires_grad)
 
     # ---- gradients -----------------------------------------------------------------------
@@ -403,10 +324,7 @@ class FSDPParam:
         self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
 
     def accumulate_unsharded_grad_if_needed(self) -> None:
-        if (
-            self.unsharded_accumulated_grad is not None
-            and self.unsharded_param.grad is not None
-        ):
+        if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
             self.unsharded_accumulated_grad += self.unsharded_param.grad
             self.unsharded_param.grad = None
 
@@ -431,11 +349,7 @@ class FSDPParam:
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
             if hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
                 raise NotImplementedError
-            return [
-                _to_dtype_if_needed(
-                    self._sharded_post_forward_param_data, self.param_dtype
-                )
-            ]
+            return [_to_dtype_if_needed(self._sharded_post_forward_param_data, self.param_dtype)]
         local = self._sharded_local_tensor
         if not hasattr(local, "fsdp_pre_all_gather"):
             data = self._sharded_param_data
@@ -444,35 +358,7 @@ class FSDPParam:
             return [_to_dtype_if_needed(data, self.param_dtype)]
         if self.offload_to_cpu:
             local = local.to(self.device, non_blocking=True)
-        signature = inspect.signature(local.fsdp_pre_all_gather)
-        if len(signature.parameters) == 1:  # legacy form: (mesh)
-            inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh_from_root)
-        elif len(signature.parameters) == 5:
-            inputs, metadata = local.fsdp_pre_all_gather(
-                self.shard_mesh_from_root,
-                self._orig_size,
-                self._contiguous_orig_stride,
-                self._module_info.module,
-                self.mp_policy,
-            )
-            padded = self.padded_sharded_param_size
-            if local.size() != padded and any(t.size() != padded for t in inputs):
-                raise AssertionError(
-                    "When a parameter is unevenly sharded by FSDP (orig size="
-                    f"{self._orig_size}, FSDP world size={self.mesh_info.mesh.size()}), "
-                    "fsdp_pre_all_gather must return all-gather inputs with the padded sharded "
-                    f"size {padded} but got {[t.size() for t in inputs]}"
-                )
-        else:
-            raise AssertionError(
-                f"Invalid fsdp_pre_all_gather: {signature}\n"
-                "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
-                "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
-                "MixedPrecisionPolicy)"
-            )
-        self._extensions_data.all_gather_metadata = metadata
-        self._extensions_data.all_gather_input_sizes = [t.size() for t in inputs]
-        return [t.view(-1) for t in inputs]
+        return pre_all_gather(self, local)
 
     @property
     def unsharded_param(self) -> nn.Parameter:  # ND
@@ -498,9 +384,7 @@ class FSDPParam:
 
     def _assert_in_states(self, *states: ShardedState) -> None:
         if self.sharded_state not in states:
-            raise AssertionError(
-                f"Expects to be in one of {states}, not {self.sharded_state}"
-            )
+            raise AssertionError(f"Expects to be in one of {states}, not {self.sharded_state}")
 
     # ---- re-padding after the module's parameter was replaced -----------------------------
     def reset_sharded_param(self) -> None:
@@ -532,9 +416,7 @@ class FSDPParam:
         updated = False
         if local.size() != self.padded_sharded_param_size and not same_local_tensor:
             if shard_dim != 0:
-                raise AssertionError(
-                    f"Shard({shard_dim}) requires even sharding: {local.size()=}"
-                )
+                raise AssertionError(f"Shard({shard_dim}) requires even sharding: {local.size()=}")
             padded = local.new_zeros(self.padded_sharded_param_size)
             padded.narrow(shard_dim, 0, length).copy_(local)
             local, updated = padded, True
@@ -548,36 +430,3 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam(fqn={self._param_fqn}, orig_size={self._orig_size})"
-
-
-_orig_param_uids = itertools.count()
-
-
-def _get_orig_param_uid(param: nn.Parameter) -> int:
-    """A stable id for an original parameter, stored on it (used to reject double wrapping)."""
-    if not hasattr(param, "_fsdp_orig_uid"):
-        param._fsdp_orig_uid = next(_orig_param_uids)
-    return param._fsdp_orig_uid
-
-
-def alloc_storage(tensor: torch.Tensor) -> None:
-    """Give ``tensor``'s storage back its full size (after :func:`free_storage`)."""
-    size = tensor.numel() * tensor.itemsize
-    if (storage := tensor.untyped_storage()).size() != size:
-        storage.resize_(size)
-
-
-def free_storage(tensor: torch.Tensor) -> None:
-    """Release ``tensor``'s memory while keeping the tensor (and its views) alive."""
-    if (storage := tensor.untyped_storage()).size() != 0:
-        storage.resize_(0)
-
-
-def unsafe_setattr_param(
-    module: nn.Module, param_name: str, param: nn.Parameter
-) -> None:
-    """Swap a registered parameter, bypassing ``nn.Module.__setattr__`` checks when possible."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
-        module._parameters[param_name] = param
-    else:  # a module overriding __setattr__ gets the slow path
-        setattr(module, param_name, param)

@@ -41,9 +41,7 @@ class FSDPParamGroup:
     """One all-gather and one reduce-scatter's worth of :class:`FSDPParam` s."""
 
     _orig_dtype: torch.dtype | None  # uniform original dtype of the trainable params
-    _reduce_dtype: (
-        torch.dtype | None
-    )  # uniform clamped reduce dtype of the trainable params
+    _reduce_dtype: torch.dtype | None  # uniform clamped reduce dtype of the trainable params
 
     def __init__(
         self,
@@ -65,9 +63,7 @@ class FSDPParamGroup:
             )
             for param, info in zip(params, infos)
         ]  # fmt: skip
-        for (
-            fsdp_param
-        ) in self.fsdp_params:  # every param validated: now touch the modules
+        for fsdp_param in self.fsdp_params:  # every param validated: now touch the modules
             fsdp_param._attach_to_module()
         self.mesh_info = mesh_info
         self.post_forward_mesh_info = post_forward_mesh_info
@@ -81,9 +77,7 @@ class FSDPParamGroup:
         self._module_to_pre_save_state_dict_hook_handle: dict[nn.Module, Any] = {}
         self._module_to_pre_load_state_dict_hook_handle: dict[nn.Module, Any] = {}
         self._all_gather_result: AllGatherResult | str | None = None
-        self._partial_reduce_output: torch.Tensor | None = (
-            None  # HSDP without all-reduce
-        )
+        self._partial_reduce_output: torch.Tensor | None = None  # HSDP without all-reduce
         # Knobs set through FSDPModule methods.
         self.reduce_grads = True
         self.all_reduce_grads = True
@@ -103,9 +97,7 @@ class FSDPParamGroup:
                 f"FSDP expects uniform original parameter dtype but got {orig_dtypes}"
             )
         if trainable and len(reduce_dtypes) != 1:
-            raise AssertionError(
-                f"FSDP expects uniform reduce dtype but got {reduce_dtypes}"
-            )
+            raise AssertionError(f"FSDP expects uniform reduce dtype but got {reduce_dtypes}")
         self._orig_dtype = next(iter(orig_dtypes)) if trainable else None
         self._reduce_dtype = next(iter(reduce_dtypes)) if trainable else None
 
@@ -130,9 +122,7 @@ class FSDPParamGroup:
         if group.size() == 1:
             self._all_gather_result = _NO_COLLECTIVE
             return
-        self._all_gather_result = foreach_all_gather(
-            self.fsdp_params, group, async_op, self.device
-        )
+        self._all_gather_result = foreach_all_gather(self.fsdp_params, group, async_op, self.device)
 
     def wait_for_unshard(self) -> None:
         """Finish a pending unshard: copy-out, build/refill unsharded params, register them."""
@@ -142,9 +132,7 @@ class FSDPParamGroup:
         if result is _NO_COLLECTIVE:
             for fsdp_param in self.fsdp_params:
                 (inp,) = fsdp_param.all_gather_inputs
-                fsdp_param.init_all_gather_outputs(
-                    [inp.numel()], [inp.dtype], 1, self.device
-                )
+                fsdp_param.init_all_gather_outputs([inp.numel()], [inp.dtype], 1, self.device)
                 out = fsdp_param.all_gather_outputs[0]
                 alloc_storage(out)
                 with (
@@ -153,9 +141,7 @@ class FSDPParamGroup:
                 ):
                     out.copy_(inp)
         else:
-            foreach_all_gather_copy_out(
-                result, self.fsdp_params, self._all_gather_process_group
-            )
+            foreach_all_gather_copy_out(result, self.fsdp_params, self._all_gather_process_group)
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_unsharded_param()
         self._to_unsharded()
@@ -171,9 +157,7 @@ class FSDPParamGroup:
         self._to_sharded()
 
     # ---- hooks -------------------------------------------------------------------------------
-    def pre_forward(
-        self, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         entering_forward = self._training_state != TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
         self.unshard(self.unshard_async_op)
@@ -281,18 +265,12 @@ class FSDPParamGroup:
         finally:
             self._training_state = old
 
-    def _register_post_backward_hook(
-        self, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
+    def _register_post_backward_hook(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs that need grad through an identity whose backward = post_backward."""
         if not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
-        idx = [
-            i
-            for i, t in enumerate(flat)
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return args, kwargs
         outs = RegisterPostBackwardFunction.apply(self, *(flat[i] for i in idx))
@@ -308,9 +286,7 @@ class FSDPParamGroup:
         def to_sharded_hook(*args: Any, **kwargs: Any) -> None:
             self._to_sharded()
 
-        for module in {
-            fsdp_param._module_info.module for fsdp_param in self.fsdp_params
-        }:
+        for module in {fsdp_param._module_info.module for fsdp_param in self.fsdp_params}:
             self._module_to_pre_save_state_dict_hook_handle[module] = (
                 module.register_state_dict_pre_hook(to_sharded_hook)
             )
@@ -325,10 +301,7 @@ class FSDPParamGroup:
 
     @property
     def _use_post_forward_mesh(self) -> bool:
-        return (
-            self._reshard_after_forward
-            and self.mesh_info != self.post_forward_mesh_info
-        )
+        return self._reshard_after_forward and self.mesh_info != self.post_forward_mesh_info
 
     @property
     def _is_hsdp(self) -> bool:
@@ -336,11 +309,7 @@ class FSDPParamGroup:
 
     @property
     def _all_gather_process_group(self) -> dist.ProcessGroup:
-        info = (
-            self.post_forward_mesh_info
-            if self.is_sharded_post_forward
-            else self.mesh_info
-        )
+        info = self.post_forward_mesh_info if self.is_sharded_post_forward else self.mesh_info
         return info.shard_process_group
 
     @property
@@ -352,11 +321,7 @@ class FSDPParamGroup:
         return self.mesh_info.replicate_process_group
 
     def _validate_no_meta_params(self) -> None:
-        on_meta = [
-            p._param_fqn
-            for p in self.fsdp_params
-            if p.sharded_param.device.type == "meta"
-        ]
+        on_meta = [p._param_fqn for p in self.fsdp_params if p.sharded_param.device.type == "meta"]
         if on_meta:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "

@@ -33,9 +33,7 @@ from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState, _cast_fp_tensor
 from ._fsdp_param_group import FSDPParamGroup
 
-_module_to_state: weakref.WeakKeyDictionary[nn.Module, FSDPState] = (
-    weakref.WeakKeyDictionary()
-)
+_module_to_state: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 
 
 class FSDPStateContext:
@@ -43,9 +41,7 @@ class FSDPStateContext:
 
     def __init__(self) -> None:
         self.all_states: list[FSDPState] = []  # root first, then pre-order
-        self.iter_forward_root: FSDPState | None = (
-            None  # the state whose forward is running
-        )
+        self.iter_forward_root: FSDPState | None = None  # the state whose forward is running
         self.post_backward_final_callback_queued = False
         self.is_last_backward = True
 
@@ -80,9 +76,7 @@ class FSDPState:
         self._mp_policy = mp_policy
         self._auto_reshard_after_forward = auto_reshard_after_forward
         if len(modules) == 1:
-            modules[0].register_forward_pre_hook(
-                self._pre_forward, prepend=True, with_kwargs=True
-            )
+            modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, prepend=False)
             return
 
@@ -110,9 +104,7 @@ class FSDPState:
             return  # already initialized
         self._is_root = True
         if len(self._modules) > 1:
-            raise RuntimeError(
-                f"FSDP requires a single root module but got {self._modules}"
-            )
+            raise RuntimeError(f"FSDP requires a single root module but got {self._modules}")
         root_module = self._modules[0]
         visited: set[FSDPState] = set()
         for module_name, module in root_module.named_modules():
@@ -129,9 +121,7 @@ class FSDPState:
             if state not in visited:
                 self._state_ctx.all_states.append(state)
                 visited.add(state)
-        if (
-            self._auto_reshard_after_forward
-        ):  # None: the root keeps its params after forward
+        if self._auto_reshard_after_forward:  # None: the root keeps its params after forward
             for group in self._fsdp_param_groups:
                 group.post_forward_mesh_info = None
         self._init_fqns()
@@ -174,12 +164,8 @@ class FSDPState:
                     seen.add(fsdp_param._orig_param_uid)
 
     # ---- forward -------------------------------------------------------------------------------
-    def _pre_forward(
-        self, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
-        if (
-            self._training_state == TrainingState.PRE_BACKWARD
-        ):  # recomputation in backward
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._training_state == TrainingState.PRE_BACKWARD:  # recomputation in backward
             for group in self._fsdp_param_groups:
                 group.unshard()
                 group.wait_for_unshard()
@@ -264,9 +250,7 @@ class FSDPState:
         self._training_state = TrainingState.PRE_BACKWARD
         if not self._state_ctx.post_backward_final_callback_queued:
             self._state_ctx.post_backward_final_callback_queued = True
-            Variable._execution_engine.queue_callback(
-                self._root_post_backward_final_callback
-            )
+            Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         for group in self._fsdp_param_groups:
             group.pre_backward()
         return grad

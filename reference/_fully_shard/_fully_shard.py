@@ -62,16 +62,10 @@ def fully_shard(
     """
     _validate_module(module, "fully_shard")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a MixedPrecisionPolicy, not {type(mp_policy)}"
-        )
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, not {type(mp_policy)}")
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be an OffloadPolicy, not {type(offload_policy)}"
-        )
-    modules = (
-        (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(module))
-    )
+        raise TypeError(f"offload_policy must be an OffloadPolicy, not {type(offload_policy)}")
+    modules = (module,) if isinstance(module, nn.Module) else tuple(_get_root_modules(module))
     for m in modules:
         if _get_module_fsdp_state(m) is not None:
             raise AssertionError(
@@ -86,9 +80,7 @@ def fully_shard(
     post_forward_mesh_info = _get_post_forward_mesh_info(
         True if auto_reshard_after_forward else reshard_after_forward, mesh_info
     )
-    managed_modules = _get_managed_modules(
-        modules, ignored_params, _get_module_fsdp_state
-    )
+    managed_modules = _get_managed_modules(modules, ignored_params, _get_module_fsdp_state)
     params, buffers = _get_managed_states(managed_modules, ignored_params)
     _move_states_to_device(params, buffers, device)
     state = FSDPState()
@@ -113,9 +105,7 @@ def fully_shard(
 
 
 def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise AssertionError(
-        "FSDP does not support deepcopy. Please use state dict for serialization."
-    )
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
 
 
 class FSDPModule:
@@ -154,24 +144,18 @@ class FSDPModule:
         """Whether the next backward is the last of the step (finalizes pending work if so)."""
         self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
 
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ):
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
             group.all_reduce_grads = requires_gradient_sync
 
-    def set_requires_all_reduce(
-        self, requires_all_reduce: bool, *, recurse: bool = True
-    ):
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
         """HSDP: all-reduce over the replicate group (``True``) or accumulate the partial sum."""
         for group in self._groups(recurse):
             group.all_reduce_grads = requires_all_reduce
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, recurse: bool = True
-    ):
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         """Change ``reshard_after_forward`` at run time (a bool; overrides the root default)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(  # noqa: TRY004 (upstream raises ValueError)
@@ -186,9 +170,7 @@ class FSDPModule:
                         reshard_after_forward, group.mesh_info
                     )
 
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ):
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Whether to free the unsharded parameters after backward (default ``True``)."""
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward

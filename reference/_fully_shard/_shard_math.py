@@ -34,18 +34,14 @@ def chunk_dim_sizes(dim_size: int, world_size: int) -> list[int]:
     return sizes
 
 
-def sharded_size(
-    size: Sequence[int], world_size: int, rank: int, dim: int = 0
-) -> tuple[int, ...]:
+def sharded_size(size: Sequence[int], world_size: int, rank: int, dim: int = 0) -> tuple[int, ...]:
     """The shape of ``rank``'s shard: the original shape with dim ``dim`` replaced by its chunk."""
     out = list(size)
     out[dim] = chunk_dim_sizes(size[dim], world_size)[rank]
     return tuple(out)
 
 
-def padded_sharded_size(
-    size: Sequence[int], world_size: int, dim: int = 0
-) -> tuple[int, ...]:
+def padded_sharded_size(size: Sequence[int], world_size: int, dim: int = 0) -> tuple[int, ...]:
     """The shape every rank's padded shard buffer has: chunk 0's shape."""
     return sharded_size(size, world_size, 0, dim)
 
