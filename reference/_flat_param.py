@@ -195,9 +195,10 @@ class FlatParamHandle:
         self._orig_params = list(ordered) if self._use_orig_params else []
         if self._use_orig_params:
             self._use_sharded_views()
-            fp.register_post_accumulate_grad_hook(lambda _: self._use_sharded_grad_views())
         else:
             self._delete_views()
+        fp.register_post_accumulate_grad_hook(lambda _: self._post_backward())
+        self._views_for_backward: torch.Tensor | None = None  # padded tensor of the last forward
 
     def _gather_factor(self) -> int:
         return self.world_size if self.uses_sharded_strategy else 1
@@ -329,6 +330,21 @@ class FlatParamHandle:
             self._use_sharded_views()
         else:
             self._delete_views()
+
+    def pre_backward(self) -> None:
+        """Backward of this module starts: put the views of the last forward's gathered tensor back
+        (modules recomputed by activation checkpointing read them)."""
+        if self._views_for_backward is not None:
+            self.use_unsharded_views(self._views_for_backward, as_params=False)
+
+    def _post_backward(self) -> None:
+        """The gradient reached the flat parameter: drop the gathered tensor, reshard, and (with
+        use_orig_params) point each original ``.grad`` at its part of the flat gradient."""
+        if self._views_for_backward is not None:
+            self._views_for_backward = None
+            self.reshard()
+        if self._use_orig_params:
+            self._use_sharded_grad_views()
 
     def prepare_orig_grads_for_forward(self) -> None:
         """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),

@@ -94,10 +94,29 @@ def _forward(state: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> Any:
     handle.use_unsharded_views(padded, as_params=False)
     state.training_state = TrainingState.FORWARD_BACKWARD
     try:
-        return state._fsdp_wrapped_module(*args, **kwargs)
+        output = state._fsdp_wrapped_module(*args, **kwargs)
     finally:
         handle.reshard()
         state.training_state = TrainingState.IDLE
+    if torch.is_grad_enabled() and handle.flat_param.requires_grad:
+        handle._views_for_backward = padded
+        _register_pre_backward_hooks(handle, output)
+    return output
+
+
+def _register_pre_backward_hooks(handle: Any, output: Any) -> None:
+    """Call ``handle.pre_backward`` when the first gradient w.r.t. an output arrives."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        handle.pre_backward()
+        return grad
+
+    def register(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            t.register_hook(hook)
+        return t
+
+    tree_map_only(torch.Tensor, register, output)
 
 
 def _validate_unshard_params_args(

@@ -540,6 +540,90 @@ def _body_world_size_one(rank, ws):
     ]
 
 
+# -- body 5: auto-wrap, activation checkpointing, shared parameters ------------------------------
+
+
+def _fsdp_names(model, cls):
+    return [n for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def _body_wrap_ckpt_shared(rank, ws):
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import wrap as twrap
+
+    from reference import wrap as rwrap
+
+    (ref, RF), (tfsdp, TF) = _impls()
+    TFSDP = tfsdp.FullyShardedDataParallel
+
+    def tree():
+        torch.manual_seed(9)
+        inner = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+        return nn.Sequential(nn.Linear(10, 10), nn.ReLU(), inner, nn.BatchNorm1d(10))
+
+    # auto_wrap_policy goes through reference.wrap; the BN override follows mixed precision.
+    size = functools.partial(rwrap.size_based_auto_wrap_policy, min_num_params=100)
+    tsize = functools.partial(twrap.size_based_auto_wrap_policy, min_num_params=100)
+    ours = RF(tree(), auto_wrap_policy=size, mixed_precision=ref.MixedPrecision(torch.float16))
+    theirs = TF(tree(), auto_wrap_policy=tsize, mixed_precision=tfsdp.MixedPrecision(torch.float16))
+    assert _fsdp_names(ours, RF) == _fsdp_names(theirs, TFSDP), _fsdp_names(ours, RF)
+    x = torch.randn(4, 10)
+    assert torch.allclose(ours(x).float(), theirs(x).float(), atol=1e-2)
+    _assert_same_sd(_full_sd(ref, RF, ours), _full_sd(tfsdp, TFSDP, theirs), "auto-wrap")
+    ours = RF(tree(), auto_wrap_policy=rwrap.ModuleWrapPolicy({nn.Linear}))
+    theirs = TF(tree(), auto_wrap_policy=twrap.ModuleWrapPolicy({nn.Linear}))
+    assert _fsdp_names(ours, RF) == _fsdp_names(theirs, TFSDP), _fsdp_names(ours, RF)
+
+    # S16: checkpoint wrappers before or after FSDP leave no prefix; backward recomputes fine.
+    def pair():
+        torch.manual_seed(10)
+        return nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+
+    source = RF(nn.Sequential(checkpoint_wrapper(pair()[0]), pair()[1]))
+    after = RF(pair())
+    apply_activation_checkpointing(after, check_fn=lambda m: isinstance(m, nn.Linear))
+    for model in (source, after):
+        model(x).sum().backward()
+        assert list(model.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    after.load_state_dict(source.state_dict())
+    _assert_same_sd(_full_sd(ref, RF, after), _full_sd(ref, RF, source), "checkpoint load")
+
+    # S15: shared modules and parameters keep both names with equal values, every type.
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(11)
+            self.net1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.net2 = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+            self.net3 = self.net2
+            self.random_parameter = nn.Parameter(torch.randn(10))
+            self.shared_parameter = self.random_parameter
+
+        def forward(self, x):
+            return self.net3(self.net2(self.net1(x)))
+
+    ours, theirs = RF(Shared()), TF(Shared())
+    for tname in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        with RF.state_dict_type(ours, getattr(ref.StateDictType, tname)):
+            sd = ours.state_dict()
+            ours.load_state_dict(sd)
+        with TFSDP.state_dict_type(theirs, getattr(tfsdp.StateDictType, tname)):
+            sd_theirs = theirs.state_dict()
+        _assert_same_sd(sd, sd_theirs, f"rank {rank} shared {tname}")
+    full = _full_sd(ref, RF, ours)
+    assert torch.equal(full["random_parameter"], full["shared_parameter"])
+    assert torch.equal(full["net2.0.weight"], full["net3.0.weight"])
+
+
+def test_auto_wrap_checkpoint_wrapper_shared_params(two_rank_results):
+    _check_section(two_rank_results, "wrap_ckpt_shared")
+
+
 # -- one spawn for every two-rank section; one test per section ---------------------------------
 
 _SECTIONS = {
@@ -547,6 +631,7 @@ _SECTIONS = {
     "buffers": _body_buffers,
     "bad_input": _body_bad_input,
     "world_size_one": _body_world_size_one,
+    "wrap_ckpt_shared": _body_wrap_ckpt_shared,
 }
 
 
