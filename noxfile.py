@@ -16,7 +16,8 @@ nox.options.reuse_venv = "yes"
 nox.options.default_venv_backend = "venv"
 
 TORCH = os.environ.get("FSDP_CONFORMANCE_TORCH", "torch==2.13.0")
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pytest-benchmark>=4"]
+# numpy: torch's object collectives (all_gather_object, broadcast_object_list) need it.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pytest-benchmark>=4", "numpy"]
 
 
 def install_torch(session: nox.Session) -> None:
