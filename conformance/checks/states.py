@@ -1,0 +1,336 @@
+"""Area "states": what a ``fully_shard`` module has registered, and what it keeps allocated, at each
+point of an iteration (P2, P4, P18 of the spec).
+
+[Note: the states of a parameter]
+SHARDED: the module attribute is an ``nn.Parameter`` wrapping a DTensor with the original global
+    size, placement ``(Shard(0),)`` on the 1-D mesh, local = ``torch.chunk(p, ws, 0)[rank]``.
+    The unsharded tensor's storage is freed (resized to 0 bytes).
+UNSHARDED: the module attribute is a plain ``nn.Parameter`` (not a DTensor) with the full values;
+    its storage is allocated. It is the same Parameter object every time (created once, reused).
+SHARDED_POST_FORWARD (``reshard_after_forward=k``, 1 < k < ws, k | ws): the registered DTensor
+    lives on a 2-D mesh ``mesh.view(-1, k)`` with ``(Replicate(), Shard(0))``; this rank holds
+    ``torch.chunk(p, k, 0)[rank % k]``.
+After forward: ``reshard_after_forward`` True -> SHARDED (root too), False -> UNSHARDED,
+    None -> root UNSHARDED, every other module SHARDED; int k -> SHARDED_POST_FORWARD; k == ws
+    -> like True; k == 1 -> like False (with a warning). After backward every parameter is SHARDED.
+``reshard()`` forces SHARDED; ``unshard()`` / ``unshard(async_op=True).wait()`` give UNSHARDED.
+The unsharded parameter each module sees is captured inside its ``forward`` (the only portable
+place where it is registered, whatever the state afterwards).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._models import distinct_values
+from conformance.registry import check
+
+
+class RecordingLinear(nn.Module):
+    """A Linear that records the parameter objects it computes with (the unsharded ones)."""
+
+    def __init__(self, fan_in: int, fan_out: int, salt: int):
+        super().__init__()
+        self.weight = nn.Parameter(distinct_values((fan_out, fan_in), salt) / 1000.0)
+        self.bias = nn.Parameter(distinct_values((fan_out,), salt + 1) / 1000.0)
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x):
+        self.seen.append({"weight": self.weight, "bias": self.bias})
+        return F.linear(x, self.weight, self.bias)
+
+
+class Net(nn.Module):
+    """Root with its own parameter ``scale`` and two children (one with dims below the world size).
+
+    lin1.weight (10, 4): uneven for ws 3/4; lin2.weight (3, 10): rank 3 of 4 holds no rows.
+    ``even=True``: every dim 0 is a multiple of 4 (no padding at any world size <= 4 but 3)."""
+
+    def __init__(self, even: bool = False):
+        super().__init__()
+        hidden, out = (8, 4) if even else (10, 3)
+        self.lin1 = RecordingLinear(4, hidden, 0)
+        self.lin2 = RecordingLinear(hidden, out, 2)
+        self.scale = nn.Parameter(distinct_values((out,), 4) / 1000.0)
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x):
+        self.seen.append({"scale": self.scale})
+        return self.lin2(torch.tanh(self.lin1(x))) * self.scale
+
+
+UNITS = ("lin1", "lin2", "")  # children first, root last
+PLAN = [(fqn, {}) for fqn in UNITS]
+
+
+def build(ctx, even=False, **options):
+    ctx.seed(0)
+    model = Net(even).to(ctx.device)
+    originals = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
+    model = ctx.impl.shard(model, ctx, plan=PLAN, **options)
+    return model, originals
+
+
+def own_params(model, unit: str):
+    """(clean FQN, name on the module, module) of the parameters ``unit`` manages itself."""
+    module = model.get_submodule(unit)
+    prefix = f"{unit}." if unit else ""
+    return [(prefix + name, name, module) for name, _ in module.named_parameters(recurse=False)]
+
+
+def rows(dim0: int, parts: int, index: int) -> tuple[int, int]:
+    chunk = math.ceil(dim0 / parts) if dim0 else 0
+    return min(index * chunk, dim0), min((index + 1) * chunk, dim0)
+
+
+def assert_sharded(ctx, fqn, param, orig, where=""):
+    """SHARDED: a DTensor Parameter, (Shard(0),) on the 1-D mesh, local rows of torch.chunk."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    tag = f"{ctx.where()} {fqn}{where}"
+    assert isinstance(param, nn.Parameter), f"{tag}: registered {type(param).__name__}, not a Parameter"
+    assert isinstance(param, DTensor), f"{tag}: expected SHARDED (a DTensor), got a plain tensor"
+    assert tuple(param.placements) == (Shard(0),), f"{tag}: placements {param.placements} != (Shard(0),)"
+    assert param.device_mesh.ndim == 1 and param.device_mesh.size() == ctx.world_size, (
+        f"{tag}: mesh {param.device_mesh}, expected the 1-D mesh of {ctx.world_size} ranks")
+    assert tuple(param.shape) == tuple(orig.shape), f"{tag}: global size {tuple(param.shape)}"
+    start, end = rows(orig.shape[0], ctx.world_size, ctx.rank)
+    local = param.to_local().detach().cpu()
+    assert torch.equal(local, orig[start:end]), (
+        f"{tag}: local shard {tuple(local.shape)} is not rows {start}:{end} of the original")
+
+
+def assert_unsharded(ctx, fqn, param, orig, where=""):
+    """UNSHARDED: a plain Parameter holding the full values in allocated storage."""
+    from torch.distributed.tensor import DTensor
+
+    tag = f"{ctx.where()} {fqn}{where}"
+    assert isinstance(param, nn.Parameter), f"{tag}: registered {type(param).__name__}, not a Parameter"
+    assert not isinstance(param, DTensor), f"{tag}: expected UNSHARDED (plain tensor), got a DTensor"
+    assert tuple(param.shape) == tuple(orig.shape), f"{tag}: size {tuple(param.shape)} != {tuple(orig.shape)}"
+    assert param.untyped_storage().nbytes() >= orig.numel() * orig.element_size(), (
+        f"{tag}: unsharded storage has {param.untyped_storage().nbytes()} bytes, expected at least "
+        f"{orig.numel() * orig.element_size()}")
+    assert torch.equal(param.detach().cpu(), orig), f"{tag}: unsharded values differ from the original"
+
+
+def assert_post_forward(ctx, fqn, param, orig, k):
+    """SHARDED_POST_FORWARD over groups of k ranks: (Replicate(), Shard(0)) on mesh.view(-1, k)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tag = f"{ctx.where()} {fqn} after forward with reshard_after_forward={k}"
+    assert isinstance(param, DTensor), f"{tag}: expected a DTensor, got {type(param).__name__}"
+    assert tuple(param.placements) == (Replicate(), Shard(0)), (
+        f"{tag}: placements {param.placements} != (Replicate(), Shard(0))")
+    mesh = param.device_mesh.mesh.tolist()
+    expected = torch.arange(ctx.world_size).view(-1, k).tolist()
+    assert mesh == expected, f"{tag}: post-forward mesh {mesh}, expected {expected}"
+    start, end = rows(orig.shape[0], k, ctx.rank % k)
+    local = param.to_local().detach().cpu()
+    assert torch.equal(local, orig[start:end]), (
+        f"{tag}: local {tuple(local.shape)} is not rows {start}:{end} (chunk {ctx.rank % k} of {k})")
+
+
+def assert_freed(ctx, fqn, tensor, where):
+    nbytes = tensor.untyped_storage().nbytes()
+    assert nbytes == 0, (
+        f"{ctx.where()} {fqn}: the unsharded parameter's storage has {nbytes} bytes {where}, "
+        f"expected 0 (freed)")
+
+
+def last_seen(model, fqn):
+    unit, _, name = fqn.rpartition(".")
+    return model.get_submodule(unit).seen[-1][name]
+
+
+def batch(ctx):
+    return distinct_values((2, 4), 7).to(ctx.device) / 100.0
+
+
+def build_case(ctx, name):
+    """The model of case ``name`` sharded with its reshard_after_forward; returns (model, originals, raf)."""
+    spec = RAF_CASES[name]
+    raf = spec["raf"](ctx.world_size)
+    model, originals = build(ctx, even=spec.get("even", False), reshard_after_forward=raf)
+    return model, originals, raf
+
+
+# reshard_after_forward cases: value (a function of ws) and the expected state per unit after forward
+RAF_CASES = {
+    "true": {"raf": lambda ws: True, "expect": {"lin1": "S", "lin2": "S", "": "S"}},
+    "false": {"raf": lambda ws: False, "expect": {"lin1": "U", "lin2": "U", "": "U"}},
+    "none": {"raf": lambda ws: None, "expect": {"lin1": "S", "lin2": "S", "": "U"}},
+    "int-1": {"raf": lambda ws: 1, "expect": {"lin1": "U", "lin2": "U", "": "U"}},
+    "int-ws": {"raf": lambda ws: ws, "expect": {"lin1": "S", "lin2": "S", "": "S"}, "min_ws": 2},
+    "int-half": {"raf": lambda ws: ws // 2, "expect": {"lin1": "P", "lin2": "P", "": "P"}, "ws": 4},
+    # the same with dims divisible by the world size (no padding inside the all-gather output)
+    "int-half-even": {"raf": lambda ws: ws // 2, "expect": {"lin1": "P", "lin2": "P", "": "P"},
+                      "ws": 4, "even": True},
+}
+
+
+def raf_check(names, requires):
+    """Register a check once per applicable world-size class of its reshard_after_forward cases."""
+    def register(fn):
+        plain = {n: {"name": n} for n in names if "ws" not in RAF_CASES[n] and "min_ws" not in RAF_CASES[n]}
+        fn = check(area="states", requires=requires, cases=plain)(fn)
+        for n in names:
+            spec = RAF_CASES[n]
+            if "ws" in spec:
+                fn = check(area="states", requires=requires, cases={n: {"name": n}},
+                           world_sizes=(spec["ws"],))(fn)
+            elif "min_ws" in spec:
+                fn = check(area="states", requires=requires, cases={n: {"name": n}},
+                           min_world_size=spec["min_ws"])(fn)
+        return fn
+    return register
+
+
+def _check_after_forward(ctx, model, originals, expect, raf):
+    for unit in UNITS:
+        for fqn, name, module in own_params(model, unit):
+            param, orig, state = getattr(module, name), originals[fqn], expect[unit]
+            if state == "S":
+                assert_sharded(ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})")
+                assert_freed(ctx, fqn, last_seen(model, fqn), f"after forward (raf={raf})")
+            elif state == "U":
+                assert_unsharded(ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})")
+                assert param is last_seen(model, fqn), (
+                    f"{ctx.where()} {fqn}: the registered parameter after forward is not the object "
+                    f"forward computed with")
+            else:
+                assert_post_forward(ctx, fqn, param, orig, raf)
+                assert_freed(ctx, fqn, last_seen(model, fqn), f"after forward (raf={raf})")
+
+
+_ALL = tuple(RAF_CASES)
+
+
+@raf_check(_ALL, {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS})
+def registered_after_forward(ctx, name):
+    """After forward each unit's registered parameters are in the state its reshard_after_forward
+    implies (True/k==ws: SHARDED, root included; False/k==1: UNSHARDED, the very object forward used;
+    None: root UNSHARDED, others SHARDED; 1<k<ws: SHARDED_POST_FORWARD), and resharded storage is freed."""
+    model, originals, raf = build_case(ctx, name)
+    with torch.no_grad():
+        model(batch(ctx))
+    _check_after_forward(ctx, model, originals, RAF_CASES[name]["expect"], raf)
+
+
+@raf_check(_ALL, {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS})
+def registered_after_backward(ctx, name):
+    """After backward every parameter is SHARDED (DTensor, Shard(0), original values) whatever
+    reshard_after_forward was, with the unsharded storage freed and a sharded gradient present."""
+    from torch.distributed.tensor import DTensor
+
+    model, originals, raf = build_case(ctx, name)
+    model(batch(ctx)).sum().backward()
+    for fqn, param in model.named_parameters():
+        assert_sharded(ctx, fqn, param, originals[fqn], f" after backward (raf={raf})")
+        assert_freed(ctx, fqn, last_seen(model, fqn), f"after backward (raf={raf})")
+        assert isinstance(param.grad, DTensor), (
+            f"{ctx.where()} {fqn}: grad after backward is {type(param.grad).__name__}, expected a DTensor")
+        assert tuple(param.grad.placements) == tuple(param.placements), (
+            f"{ctx.where()} {fqn}: grad placements {param.grad.placements} != {param.placements}")
+
+
+@raf_check(("false", "none", "int-half", "int-half-even"), {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS})
+def reshard_forces_sharded(ctx, name):
+    """``reshard()`` on every unit after a forward that left parameters unsharded (or sharded
+    post-forward) registers SHARDED DTensors again and frees the unsharded storage."""
+    model, originals, raf = build_case(ctx, name)
+    with torch.no_grad():
+        model(batch(ctx))
+    for unit in UNITS:
+        model.get_submodule(unit).reshard()
+    for fqn, param in model.named_parameters():
+        assert_sharded(ctx, fqn, param, originals[fqn], f" after reshard() (raf={raf})")
+        assert_freed(ctx, fqn, last_seen(model, fqn), "after reshard()")
+
+
+@check(area="states", requires={base.FSDP2_API, base.DTENSOR_PARAMS},
+       cases={"sync": {"async_op": False}, "async": {"async_op": True}})
+def unshard_api(ctx, async_op):
+    """``unshard()`` (or ``unshard(async_op=True)`` then ``wait()``) before any forward registers
+    plain Parameters with the original values on that unit only; ``reshard()`` frees them again,
+    and a second unshard reuses the same Parameter object (P18, P4)."""
+    model, originals = build(ctx)
+    first = {}
+    for i, unit in enumerate(UNITS):
+        module = model.get_submodule(unit)
+        handle = module.unshard(async_op=async_op)
+        if async_op:
+            assert handle is not None, f"{ctx.where()} unshard(async_op=True) on {unit!r} returned None"
+            handle.wait()
+        for fqn, name, owner in own_params(model, unit):
+            param = getattr(owner, name)
+            assert_unsharded(ctx, fqn, param, originals[fqn], f" after {unit or 'root'}.unshard()")
+            first[fqn] = param
+        for later in UNITS[i + 1:]:  # units not yet unsharded stay sharded
+            for fqn, name, owner in own_params(model, later):
+                assert_sharded(ctx, fqn, getattr(owner, name), originals[fqn],
+                               " while only earlier units are unsharded")
+    for unit in UNITS:
+        model.get_submodule(unit).reshard()
+    for fqn, param in model.named_parameters():
+        assert_sharded(ctx, fqn, param, originals[fqn], " after reshard()")
+        assert_freed(ctx, fqn, first[fqn], "after reshard()")
+    for unit in UNITS:
+        handle = model.get_submodule(unit).unshard(async_op=async_op)
+        if async_op:
+            handle.wait()
+        for fqn, name, owner in own_params(model, unit):
+            assert getattr(owner, name) is first[fqn], (
+                f"{ctx.where()} {fqn}: the second unshard() registered a new Parameter object; "
+                f"expected the one created by the first (reused)")
+            assert_unsharded(ctx, fqn, getattr(owner, name), originals[fqn], " after a second unshard()")
+    for unit in UNITS:
+        model.get_submodule(unit).reshard()
+
+
+@raf_check(("true", "false", "none", "int-half", "int-half-even"), {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS,
+                                 base.TRAINING})
+def unsharded_param_reused(ctx, name):
+    """Across iterations (forward, backward, SGD step) each module computes with the same unsharded
+    Parameter object, whose values are the updated parameters' full values."""
+    model, _, raf = build_case(ctx, name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _step in range(3):
+        model(batch(ctx)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for fqn, _param in model.named_parameters():
+        unit, _, attr = fqn.rpartition(".")
+        seen = [s[attr] for s in model.get_submodule(unit).seen]
+        assert len(seen) >= 3, f"{ctx.where()} {fqn}: forward ran {len(seen)} times, expected 3"
+        assert all(s is seen[0] for s in seen), (
+            f"{ctx.where()} {fqn}: forward computed with {len({id(s) for s in seen})} different "
+            f"unsharded Parameter objects over 3 iterations (raf={raf}); expected one, reused")
+    # the registered parameters after the last step are sharded; their full values are what the
+    # next forward must see
+    full = {fqn: p.full_tensor().detach().cpu() for fqn, p in model.named_parameters()}
+    with torch.no_grad():
+        model(batch(ctx))
+    for fqn in full:
+        seen = last_seen(model, fqn)
+        if seen.untyped_storage().nbytes() == 0:
+            continue  # already resharded; values were checked while registered in other checks
+        assert torch.equal(seen.detach().cpu(), full[fqn]), (
+            f"{ctx.where()} {fqn}: the unsharded parameter after 3 steps differs from the updated "
+            f"sharded parameter's full_tensor()")
+    for unit in UNITS:
+        model.get_submodule(unit).reshard()
+
+
+@check(area="states", requires={base.FSDP2_API, base.DTENSOR_PARAMS})
+def full_tensor_equals_original(ctx):
+    """Before any forward, every registered parameter's ``full_tensor()`` equals the original."""
+    model, originals = build(ctx)
+    for fqn, param in model.named_parameters():
+        full = param.full_tensor().detach().cpu()
+        assert torch.equal(full, originals[fqn]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
