@@ -119,7 +119,8 @@ def plan_entries(plan) -> list[tuple[str, dict]]:
     """``(module_fqn, kwargs)`` pairs of a wrap plan, children first; ``None`` = the root alone."""
     if plan is None:
         return [("", {})]
-    return [(fqn, dict(kwargs)) for fqn, kwargs in getattr(plan, "entries", plan)]
+    return [(e.module_fqn, dict(e.kwargs)) if hasattr(e, "module_fqn") else (e[0], dict(e[1]))
+            for e in getattr(plan, "entries", plan)]  # WrapPlanEntry objects or (fqn, kwargs)
 
 
 def clean_fqn(name: str) -> str:
