@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, ClassVar
@@ -378,11 +379,19 @@ def _recursive_wrap(
     return module, wrapped
 
 
-# The traversal helpers live next to the machinery that uses them; upstream defines them here, so
-# they are importable from this module too.
-def __getattr__(name: str):
-    if name in ("_post_order_apply", "_construct_wrap_fn", "_run_mixed_precision_override_policy"):
-        from reference import _wrap_utils
+# Names defined in neighbour modules that import this one (so they are resolved on first use):
+# the traversal helpers, which upstream defines in this module, and the wrap plan.
+_NEIGHBOURS = {
+    "_post_order_apply": "reference._wrap_utils",
+    "_construct_wrap_fn": "reference._wrap_utils",
+    "_run_mixed_precision_override_policy": "reference._wrap_utils",
+    "build_wrap_plan": "reference._wrap_plan",
+    "WrapPlan": "reference._wrap_plan",
+    "WrapPlanEntry": "reference._wrap_plan",
+}
 
-        return getattr(_wrap_utils, name)
+
+def __getattr__(name: str):
+    if name in _NEIGHBOURS:
+        return getattr(importlib.import_module(_NEIGHBOURS[name]), name)
     raise AttributeError(f"module 'reference.wrap' has no attribute {name!r}")

@@ -103,6 +103,12 @@ def test_public_names():
     for name in ("_post_order_apply", "_construct_wrap_fn", "_run_mixed_precision_override_policy"):
         assert getattr(W, name) is getattr(wu, name)
     assert wu.FullyShardedModuleState is FullyShardedModuleState
+    from reference import _wrap_plan
+
+    for name in ("build_wrap_plan", "WrapPlan", "WrapPlanEntry"):
+        assert getattr(W, name) is getattr(_wrap_plan, name)
+    with pytest.raises(AttributeError):
+        W.no_such_name  # noqa: B018
 
 
 # --- W2 / W14 ------------------------------------------------------------------------------
