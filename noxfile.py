@@ -53,14 +53,37 @@ def tests(session: nox.Session) -> None:
         "reports/smoke",
         "-q",
     )
+    session.run(
+        "python", "-m", "pytest", "perf", "--quick", "-q", "--perf-reports-dir", "reports/smoke"
+    )
 
 
 @nox.session
 def perf(session: nox.Session) -> None:
-    """Benchmarks of the all-gather, padding and state-dict paths (not implemented yet)."""
-    session.log(
-        "perf: not yet implemented — the benchmark suite is tracked as its own issue. "
-        "Nothing was measured."
+    """Benchmarks of the all-gather, padding and state-dict paths next to their floors (``perf/``).
+
+    Arguments after ``--`` go to pytest: ``--impl``, ``--world-sizes``, ``--sizes``, ``--budget``,
+    ``--threads-per-rank``, ``--quick`` (see ``pytest perf --help``, group "fsdp perf"). Writes
+    pytest-benchmark's ``reports/perf.json``, ``reports/perf.md`` and ``reports/perf-*.png``.
+    """
+    install_torch(session)
+    # matplotlib is installed here only: the PNG plots are the one thing that needs it, and the
+    # conformance/tests sessions should not pull a plotting stack next to the torch under test.
+    session.install("matplotlib>=3.7")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "perf",
+        "-p",
+        "no:cacheprovider",
+        "--benchmark-json",
+        "reports/perf.json",
+        "--benchmark-group-by",
+        "group",
+        "--benchmark-columns",
+        "median,iqr,min,max,rounds",
+        *session.posargs,
     )
 
 

@@ -28,31 +28,51 @@ from perf import _clock
 DEFAULT_IMPLS = ("reference", "torch-fsdp2", "torch-fsdp1", "reference-fsdp1")
 OPTIONAL_IMPLS = {"reference", "reference-fsdp1"}  # dropped with a note while not importable
 FULL_SIZES = {"large": (1, 8, 64), "small": (1, 8), "uneven": (1, 8, 32)}
-QUICK_SIZES = {"large": (1,), "small": (1,), "uneven": (1,)}
+QUICK_SIZES = {"small": (0.25,), "uneven": (1,)}  # every path once; "large" is the easy case
 BASELINE = "baseline"  # impl column of the harness-only floors (no implementation involved)
 
 
 def pytest_addoption(parser):
     g = parser.getgroup("fsdp perf")
-    g.addoption("--impl", default=None,
-                help="comma-separated implementations (same specs as the conformance suite; "
-                     "default: reference,torch-fsdp2,torch-fsdp1,reference-fsdp1, the reference "
-                     "ones only when importable)")
-    g.addoption("--world-sizes", default=None,
-                help="comma-separated world sizes (default 1,2,4 on CPU; 1,2,4,8 capped at the GPU "
-                     "count on GPUs; quick mode: 1,2)")
-    g.addoption("--device", default=None, help="device type (default: auto, as the conformance suite)")
+    g.addoption(
+        "--impl",
+        default=None,
+        help="comma-separated implementations (same specs as the conformance suite; "
+        "default: reference,torch-fsdp2,torch-fsdp1,reference-fsdp1, the reference "
+        "ones only when importable)",
+    )
+    g.addoption(
+        "--world-sizes",
+        default=None,
+        help="comma-separated world sizes (default 1,2,4 on CPU; 1,2,4,8 capped at the GPU "
+        "count on GPUs; quick mode: 1,2)",
+    )
+    g.addoption(
+        "--device", default=None, help="device type (default: auto, as the conformance suite)"
+    )
     g.addoption("--backend", default=None, help="process-group backend (default: the device's)")
-    g.addoption("--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)")
-    g.addoption("--quick", action="store_true",
-                help="run every benchmark once for correctness only (no warm-up, one round, no "
-                     "timing claims)")
-    g.addoption("--sizes", default=None,
-                help="shape sets and sizes in MiB, e.g. 'large:1,8,64;small:1,8;uneven:1,8,32' "
-                     "(the default)")
-    g.addoption("--budget", type=float, default=1.5,
-                help="seconds of measured rounds per task (rounds = budget / warm-up round, "
-                     "clamped to [3, 30]; default 1.5)")
+    g.addoption(
+        "--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)"
+    )
+    g.addoption(
+        "--quick",
+        action="store_true",
+        help="run every benchmark once for correctness only (no warm-up, one round, no "
+        "timing claims)",
+    )
+    g.addoption(
+        "--sizes",
+        default=None,
+        help="shape sets and sizes in MiB, e.g. 'large:1,8,64;small:1,8;uneven:1,8,32' "
+        "(the default)",
+    )
+    g.addoption(
+        "--budget",
+        type=float,
+        default=1.5,
+        help="seconds of measured rounds per task (rounds = budget / warm-up round, "
+        "clamped to [3, 30]; default 1.5)",
+    )
     g.addoption("--task-timeout", type=float, default=600.0, help="seconds per task (default 600)")
     g.addoption("--perf-reports-dir", default="reports", help="where perf.md and the plots go")
 
@@ -83,13 +103,30 @@ class Case:
 
     @property
     def task_key(self) -> tuple:
-        return (self.ws, self.fn, self.spec, self.shape_set, self.size_mb, self.kind)
+        return (self.ws, self.fn, self.spec, self.shape_set, self.size_mb)  # kinds share a task
+
+    @property
+    def key(self) -> str:
+        """The task's times key: state-dict tasks measure every kind, as ``<kind>/<step>``."""
+        return f"{self.kind}/{self.step}" if self.kind else self.step
+
+    @property
+    def floor_key(self) -> str | None:
+        return (
+            None
+            if self.floor is None
+            else (f"{self.kind}/{self.floor}" if self.kind else self.floor)
+        )
 
 
-FSDP1_NO_PIECES = ("not measured: a flat parameter all-gathers its padded shard in place (no "
-                   "copy-in) and unflattens into views (no copy-out); only end to end is reachable")
-FSDP1_NO_REPAD = ("not measured: FSDP1 has no per-parameter re-pad; its load paths are in the "
-                  "state-dict benchmarks")
+FSDP1_NO_PIECES = (
+    "not measured: a flat parameter all-gathers its padded shard in place (no "
+    "copy-in) and unflattens into views (no copy-out); only end to end is reachable"
+)
+FSDP1_NO_REPAD = (
+    "not measured: FSDP1 has no per-parameter re-pad; its load paths are in the "
+    "state-dict benchmarks"
+)
 
 
 def _cases_for(area: str, perf: PerfSession) -> list[Case]:
@@ -99,9 +136,15 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
     for ws in perf.world_sizes:
         for shape_set, sizes in perf.sizes.items():
             for size in sizes:
-                def add(impl, spec, style, step, floor, kind="", skip="", _at=(ws, shape_set, size)):
-                    out.append(Case(area, _at[0], impl, spec, style, _at[1], _at[2], step, floor,
-                                    kind, skip))
+
+                def add(
+                    impl, spec, style, step, floor, kind="", skip="", _at=(ws, shape_set, size)
+                ):
+                    out.append(
+                        Case(
+                            area, _at[0], impl, spec, style, _at[1], _at[2], step, floor, kind, skip
+                        )
+                    )
 
                 if area == "allgather":
                     add(BASELINE, None, BASELINE, "floor", None)
@@ -112,8 +155,16 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
                         add(impl.name, spec, style, "floor", None)
                         add(impl.name, spec, style, "e2e", "floor")
                         for piece in ("copy_in", "unshard", "copy_out"):
-                            add(impl.name, spec, style, piece, "floor",
-                                skip=FSDP1_NO_PIECES if style == "fsdp1" and piece != "unshard" else "")
+                            add(
+                                impl.name,
+                                spec,
+                                style,
+                                piece,
+                                "floor",
+                                skip=FSDP1_NO_PIECES
+                                if style == "fsdp1" and piece != "unshard"
+                                else "",
+                            )
                     elif area == "padding":
                         add(impl.name, spec, style, "memcpy", None)
                         for step in ("construct", "load_assign", "reset"):
@@ -171,14 +222,18 @@ class PerfSession:
                     impl.ns.FullyShardedDataParallel  # noqa: B018
                     self.styles[spec] = "fsdp1"
                 else:
-                    self.notes.append(f"{impl.name}: declares neither fsdp2-api nor fsdp1-api; "
-                                      "the perf bodies need one of them: not benchmarked")
+                    self.notes.append(
+                        f"{impl.name}: declares neither fsdp2-api nor fsdp1-api; "
+                        "the perf bodies need one of them: not benchmarked"
+                    )
                     continue
                 self.impls[spec] = impl
             except Exception as exc:  # noqa: BLE001
                 if opt.impl is None and spec in OPTIONAL_IMPLS:
-                    self.notes.append(f"{spec}: not importable yet ({type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0][:160]}); its columns are absent")
+                    self.notes.append(
+                        f"{spec}: not importable yet ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160]}); its columns are absent"
+                    )
                     continue
                 if isinstance(exc, ImplementationLoadError):
                     raise
@@ -190,13 +245,20 @@ class PerfSession:
         else:
             defaults = devices.default_world_sizes(opt.device)
             self.world_sizes = [1, 2, 4] if defaults == list(devices.CPU_WORLD_SIZES) else defaults
-        self.placement = {ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes}
-        self.sizes = _parse_sizes(opt.sizes) if opt.sizes else (QUICK_SIZES if self.quick else FULL_SIZES)
+        self.placement = {
+            ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes
+        }
+        self.sizes = (
+            _parse_sizes(opt.sizes) if opt.sizes else (QUICK_SIZES if self.quick else FULL_SIZES)
+        )
         self.groups: dict[int, object] = {}
         self.cache: dict[tuple, TaskResult] = {}
         self.records: list[dict] = []
-        self.timing = ({} if self.quick else
-                       {"budget_s": opt.budget, "min_rounds": 3, "max_rounds": 30, "warmup": 1})
+        self.timing = (
+            {}
+            if self.quick
+            else {"budget_s": opt.budget, "min_rounds": 3, "max_rounds": 30, "warmup": 1}
+        )
 
     def group(self, ws: int):
         from conformance.runner.pool import WorkerGroup
@@ -205,8 +267,9 @@ class PerfSession:
             self.groups.pop(other).close()
         if ws not in self.groups:
             device, backend = self.placement[ws]
-            self.groups[ws] = WorkerGroup(ws, device, backend,
-                                          threads_per_rank=self.config.option.threads_per_rank)
+            self.groups[ws] = WorkerGroup(
+                ws, device, backend, threads_per_rank=self.config.option.threads_per_rank
+            )
         return self.groups[ws]
 
     def close(self) -> None:
@@ -220,23 +283,32 @@ class PerfSession:
 
         if case.task_key in self.cache:
             return self.cache[case.task_key]
-        kwargs = {"shape_set": case.shape_set, "size_mb": case.size_mb, "quick": self.quick,
-                  **self.timing}
-        if case.kind:
-            kwargs["kind"] = case.kind
-        results = self.group(case.ws).run(Task(case.fn, case.spec, kwargs, self.config.option.task_timeout))
+        kwargs = {
+            "shape_set": case.shape_set,
+            "size_mb": case.size_mb,
+            "quick": self.quick,
+            **self.timing,
+        }
+        results = self.group(case.ws).run(
+            Task(case.fn, case.spec, kwargs, self.config.option.task_timeout)
+        )
         out = TaskResult(loadavg=os.getloadavg()[0])
         bad = [r for r in results if r.status not in (protocol.OK, protocol.NOT_SUPPORTED)]
         unsupported = [r for r in results if r.status == protocol.NOT_SUPPORTED]
         if bad:
-            out.error = "\n".join(f"rank {r.rank}: {r.status}\n{r.detail.rstrip()}" for r in results
-                                  if r.status != protocol.OK)
+            out.error = "\n".join(
+                f"rank {r.rank}: {r.status}\n{r.detail.rstrip()}"
+                for r in results
+                if r.status != protocol.OK
+            )
         elif unsupported:
             out.not_supported = unsupported[0].detail
         else:
             steps = results[0].value["times"]
-            out.times = {s: [max(r.value["times"][s][i] for r in results) for i in range(len(ts))]
-                         for s, ts in steps.items()}
+            out.times = {
+                s: [max(r.value["times"][s][i] for r in results) for i in range(len(ts))]
+                for s, ts in steps.items()
+            }
             out.info = results[0].value["info"]
         self.cache[case.task_key] = out
         return out
@@ -247,11 +319,14 @@ class PerfSession:
             pytest.skip(case.skip)
         result = self.task(case)
         if result.error:
-            pytest.fail(f"{case.fn} on {case.impl} (ws {case.ws}) failed:\n{result.error}",
-                        pytrace=False)
+            pytest.fail(
+                f"{case.fn} on {case.impl} (ws {case.ws}) failed:\n{result.error}", pytrace=False
+            )
         if result.not_supported:
             pytest.skip(f"not supported: {result.not_supported}")
-        times = result.times[case.step]
+        if case.kind in result.info.get("skipped", {}):
+            pytest.skip(f"not run: {result.info['skipped'][case.kind]}")
+        times = result.times[case.key]
         record = make_record(case, result, self)
         benchmark.group = f"{case.area} ws{case.ws} {case.shape_set}-{case.size_mb:g}MB"
         benchmark.extra_info.update(record)
@@ -261,26 +336,49 @@ class PerfSession:
 
 
 def make_record(case: Case, result: TaskResult, perf: PerfSession) -> dict:
-    times = result.times[case.step]
+    times = result.times[case.key]
     info = result.info
     med = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [med, med, med]
     impl = perf.impls.get(case.spec) if case.spec else None
     device, backend = perf.placement[case.ws]
     rec = {
-        "area": case.area, "path": case.step, "kind": case.kind, "impl": case.impl,
-        "impl_version": impl.version if impl else "", "style": case.style,
-        "world_size": case.ws, "device": device, "backend": backend,
+        "area": case.area,
+        "path": case.step,
+        "kind": case.kind,
+        "impl": case.impl,
+        "impl_version": impl.version if impl else "",
+        "style": case.style,
+        "world_size": case.ws,
+        "device": device,
+        "backend": backend,
         "threads_per_rank": perf.config.option.threads_per_rank,
-        "shape_set": case.shape_set, "size_mb": case.size_mb, "quick": perf.quick,
-        "rounds": len(times), "median_s": med, "q1_s": q[0], "q3_s": q[2],
-        "min_s": min(times), "max_s": max(times), "iqr_rel": (q[2] - q[0]) / med if med else 0.0,
+        "shape_set": case.shape_set,
+        "size_mb": case.size_mb,
+        "quick": perf.quick,
+        "rounds": len(times),
+        "median_s": med,
+        "q1_s": q[0],
+        "q3_s": q[2],
+        "min_s": min(times),
+        "max_s": max(times),
+        "iqr_rel": (q[2] - q[0]) / med if med else 0.0,
         "loadavg_1m": result.loadavg,
-        **{k: info[k] for k in ("unpadded_bytes", "padded_bytes", "payload_efficiency",
-                                "num_params", "gather_bytes", "local_padded_bytes") if k in info},
+        **{
+            k: info[k]
+            for k in (
+                "unpadded_bytes",
+                "padded_bytes",
+                "payload_efficiency",
+                "num_params",
+                "gather_bytes",
+                "local_padded_bytes",
+            )
+            if k in info
+        },
     }
-    if case.floor and case.floor in result.times:
-        floor_med = statistics.median(result.times[case.floor])
+    if case.floor_key and case.floor_key in result.times:
+        floor_med = statistics.median(result.times[case.floor_key])
         rec["floor"] = case.floor
         rec["floor_median_s"] = floor_med
         rec["ratio_to_floor"] = med / floor_med if floor_med else None
@@ -298,12 +396,31 @@ def make_record(case: Case, result: TaskResult, perf: PerfSession) -> dict:
 
 def add_cross_ratios(records: list[dict]) -> None:
     """``vs_torch_fsdp2`` / ``vs_torch_fsdp1``: this median over upstream's for the same case."""
-    index = {(r["area"], r["path"], r["kind"], r["world_size"], r["shape_set"], r["size_mb"],
-              r["impl"]): r for r in records}
+    index = {
+        (
+            r["area"],
+            r["path"],
+            r["kind"],
+            r["world_size"],
+            r["shape_set"],
+            r["size_mb"],
+            r["impl"],
+        ): r
+        for r in records
+    }
     for r in records:
         for upstream in ("torch-fsdp2", "torch-fsdp1"):
-            other = index.get((r["area"], r["path"], r["kind"], r["world_size"], r["shape_set"],
-                               r["size_mb"], upstream))
+            other = index.get(
+                (
+                    r["area"],
+                    r["path"],
+                    r["kind"],
+                    r["world_size"],
+                    r["shape_set"],
+                    r["size_mb"],
+                    upstream,
+                )
+            )
             if other and other["median_s"]:
                 r["vs_" + upstream.replace("-", "_")] = r["median_s"] / other["median_s"]
 
@@ -316,7 +433,9 @@ def _parse_sizes(text: str) -> dict[str, tuple[float, ...]]:
         if part.strip():
             name, _, sizes = part.partition(":")
             if name.strip() not in SHAPE_SETS:
-                raise pytest.UsageError(f"--sizes: unknown shape set {name!r} (known: {SHAPE_SETS})")
+                raise pytest.UsageError(
+                    f"--sizes: unknown shape set {name!r} (known: {SHAPE_SETS})"
+                )
             out[name.strip()] = tuple(float(s) for s in sizes.split(",") if s.strip())
     return out
 
@@ -363,10 +482,16 @@ def pytest_report_header(config):
     if _KEY not in config.stash:
         return None
     perf = config.stash[_KEY]
-    lines = ["fsdp perf: " + ", ".join(f"{i.name} ({i.version})" for i in perf.impls.values())
-             + (" [quick: correctness only]" if perf.quick else "")]
-    lines.append("  world sizes " + ", ".join(f"{ws} ({d}/{b})" for ws, (d, b) in perf.placement.items())
-                 + f"; threads/rank {config.option.threads_per_rank}; sizes {perf.sizes}")
+    lines = [
+        "fsdp perf: "
+        + ", ".join(f"{i.name} ({i.version})" for i in perf.impls.values())
+        + (" [quick: correctness only]" if perf.quick else "")
+    ]
+    lines.append(
+        "  world sizes "
+        + ", ".join(f"{ws} ({d}/{b})" for ws, (d, b) in perf.placement.items())
+        + f"; threads/rank {config.option.threads_per_rank}; sizes {perf.sizes}"
+    )
     lines += [f"  note: {n}" for n in perf.notes]
     return lines
 
@@ -390,10 +515,15 @@ def _finish(session) -> None:
 
     out = Path(session.config.option.perf_reports_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"wall_s": time.time() - perf.started, "notes": perf.notes, "quick": perf.quick,
-            "impls": {i.name: i.version for i in perf.impls.values()},
-            "world_sizes": perf.world_sizes, "placement": perf.placement,
-            "threads_per_rank": session.config.option.threads_per_rank}
+    meta = {
+        "wall_s": time.time() - perf.started,
+        "notes": perf.notes,
+        "quick": perf.quick,
+        "impls": {i.name: i.version for i in perf.impls.values()},
+        "world_sizes": perf.world_sizes,
+        "placement": perf.placement,
+        "threads_per_rank": session.config.option.threads_per_rank,
+    }
     path = report.write(perf.records, out / ("perf-quick.md" if perf.quick else "perf.md"), meta)
     perf.notes.append(f"report: {path}")
     if not perf.quick:

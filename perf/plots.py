@@ -10,11 +10,13 @@ from collections import defaultdict
 from pathlib import Path
 
 # (area, path or kind/path shown, floor description)
-SERIES = (("allgather", "e2e", "", "unshard+reshard / raw all-gather"),
-          ("padding", "construct", "", "fully_shard construction / memcpy"),
-          ("padding", "load_assign", "", "load_state_dict(assign=True) / memcpy"),
-          ("state_dict", "save", "full", "FSDP1 FULL save / raw gather"),
-          ("state_dict", "save", "dcp_full", "get_model_state_dict(full) / raw gather"))
+SERIES = (
+    ("allgather", "e2e", "", "unshard+reshard / raw all-gather"),
+    ("padding", "construct", "", "fully_shard construction / memcpy"),
+    ("padding", "load_assign", "", "load_state_dict(assign=True) / memcpy"),
+    ("state_dict", "save", "full", "FSDP1 FULL save / raw gather"),
+    ("state_dict", "save", "dcp_full", "get_model_state_dict(full) / raw gather"),
+)
 
 
 def write(records, out_dir: Path) -> list[Path]:
@@ -25,7 +27,9 @@ def write(records, out_dir: Path) -> list[Path]:
 
     written = []
     for area, path, kind, title in SERIES:
-        chosen = [r for r in records if r["area"] == area and r["path"] == path and r["kind"] == kind]
+        chosen = [
+            r for r in records if r["area"] == area and r["path"] == path and r["kind"] == kind
+        ]
         for ws in sorted({r["world_size"] for r in chosen}):
             lines = defaultdict(list)
             for r in chosen:
@@ -39,10 +43,19 @@ def write(records, out_dir: Path) -> list[Path]:
                 ax_t.plot(mb, [r["median_s"] * 1e3 for r in rs], marker="o", label=label)
                 ratios = [r.get("ratio_to_floor") for r in rs]
                 if any(x is not None for x in ratios):
-                    ax_r.plot(mb, [x if x is not None else float("nan") for x in ratios],
-                              marker="o", label=label)
-            ax_t.set(xscale="log", yscale="log", xlabel="parameter MiB", ylabel="median ms",
-                     title=f"{area} {kind or path} time, ws {ws}")
+                    ax_r.plot(
+                        mb,
+                        [x if x is not None else float("nan") for x in ratios],
+                        marker="o",
+                        label=label,
+                    )
+            ax_t.set(
+                xscale="log",
+                yscale="log",
+                xlabel="parameter MiB",
+                ylabel="median ms",
+                title=f"{area} {kind or path} time, ws {ws}",
+            )
             ax_r.set(xscale="log", xlabel="parameter MiB", ylabel="× floor", title=title)
             ax_r.axhline(1.0, color="grey", lw=0.8)
             for ax in (ax_t, ax_r):

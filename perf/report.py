@@ -39,8 +39,17 @@ class Index:
         self.records = list(records)
         self.by = {}
         for r in self.records:
-            self.by[(r["area"], r["world_size"], r["impl"], r["shape_set"], r["size_mb"], r["kind"],
-                     r["path"])] = r
+            self.by[
+                (
+                    r["area"],
+                    r["world_size"],
+                    r["impl"],
+                    r["shape_set"],
+                    r["size_mb"],
+                    r["kind"],
+                    r["path"],
+                )
+            ] = r
 
     def get(self, area, ws, impl, cfg, path, kind=""):
         return self.by.get((area, ws, impl, cfg[0], cfg[1], kind, path))
@@ -49,13 +58,20 @@ class Index:
         return sorted({r["world_size"] for r in self.records if r["area"] == area})
 
     def configs(self, area, ws):
-        return sorted({_cfg(r) for r in self.records if r["area"] == area and r["world_size"] == ws},
-                      key=lambda c: (c[0], c[1]))
+        return sorted(
+            {_cfg(r) for r in self.records if r["area"] == area and r["world_size"] == ws},
+            key=lambda c: (c[0], c[1]),
+        )
 
     def impls(self, area, style=None):
         order = [REF, "torch-fsdp2", "torch-fsdp1", REF1]
-        names = {r["impl"] for r in self.records if r["area"] == area and r["impl"] != "baseline"
-                 and (style is None or r["style"] == style)}
+        names = {
+            r["impl"]
+            for r in self.records
+            if r["area"] == area
+            and r["impl"] != "baseline"
+            and (style is None or r["style"] == style)
+        }
         return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n))
 
 
@@ -70,23 +86,34 @@ def render(records, meta: dict) -> str:
     loads = [r.get("loadavg_1m", 0.0) for r in ix.records]
     out = ["# Perf report: all-gather, padding and state-dict paths", ""]
     if meta.get("quick"):
-        out += ["> **Quick mode: every benchmark ran once for correctness. These numbers are not "
-                "measurements; make no timing claims from them.**", ""]
-    out += [f"* generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"wall {meta.get('wall_s', 0):.0f} s",
-            "* implementations: " + ", ".join(f"`{k}` ({v})" for k, v in meta.get("impls", {}).items()),
-            "* world sizes: " + ", ".join(f"{ws} ({d}/{b})" for ws, (d, b) in
-                                          meta.get("placement", {}).items())
-            + f"; {meta.get('threads_per_rank', 1)} thread(s) per rank",
-            f"* machine load (1-min load average when each task finished): "
-            f"{min(loads):.1f}–{max(loads):.1f}" if loads else "* no records"]
+        out += [
+            "> **Quick mode: every benchmark ran once for correctness. These numbers are not "
+            "measurements; make no timing claims from them.**",
+            "",
+        ]
+    out += [
+        f"* generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"wall {meta.get('wall_s', 0):.0f} s",
+        "* implementations: " + ", ".join(f"`{k}` ({v})" for k, v in meta.get("impls", {}).items()),
+        "* world sizes: "
+        + ", ".join(f"{ws} ({d}/{b})" for ws, (d, b) in meta.get("placement", {}).items())
+        + f"; {meta.get('threads_per_rank', 1)} thread(s) per rank",
+        f"* machine load (1-min load average when each task finished): "
+        f"{min(loads):.1f}–{max(loads):.1f}"
+        if loads
+        else "* no records",
+    ]
     out += [f"* note: {n}" for n in meta.get("notes", [])]
-    out += ["", "How to read: every time is the median over rounds of the slowest rank's time; "
-            "`×floor` divides it by the median of its floor measured **in the same task, "
-            "interleaved round by round** (so machine load affects both); `vs fsdp2` / "
-            "`vs fsdp1` divide by upstream torch's median for the same case (same run, separate "
-            "task). `spread` is the inter-quartile range over the median. algbw = gathered bytes / "
-            "time; busbw = algbw·(n−1)/n.", ""]
+    out += [
+        "",
+        "How to read: every time is the median over rounds of the slowest rank's time; "
+        "`×floor` divides it by the median of its floor measured **in the same task, "
+        "interleaved round by round** (so machine load affects both); `vs fsdp2` / "
+        "`vs fsdp1` divide by upstream torch's median for the same case (same run, separate "
+        "task). `spread` is the inter-quartile range over the median. algbw = gathered bytes / "
+        "time; busbw = algbw·(n−1)/n.",
+        "",
+    ]
     out += _allgather(ix) + _padding(ix) + _state_dict(ix) + _targets(ix)
     return "\n".join(out) + "\n"
 
@@ -96,54 +123,79 @@ def _allgather(ix: Index) -> list[str]:
     out = ["## All-gather path", ""]
     impls = ix.impls("allgather")
     for ws in ix.world_sizes("allgather"):
-        out += [f"### World size {ws}: end-to-end unshard+reshard", "",
-                "| shapes | bytes gathered | floor ms | floor busbw GB/s | naive ×floor | "
-                + " | ".join(f"{i} ms | {i} ×floor | {i} vs fsdp2" for i in impls) + " |",
-                "|---" * (5 + 3 * len(impls)) + "|"]
+        out += [
+            f"### World size {ws}: end-to-end unshard+reshard",
+            "",
+            "| shapes | bytes gathered | floor ms | floor busbw GB/s | naive ×floor | "
+            + " | ".join(f"{i} ms | {i} ×floor | {i} vs fsdp2" for i in impls)
+            + " |",
+            "|---" * (5 + 3 * len(impls)) + "|",
+        ]
         for cfg in ix.configs("allgather", ws):
             floor = ix.get("allgather", ws, "baseline", cfg, "floor")
             naive = ix.get("allgather", ws, "baseline", cfg, "naive")
-            row = [_cfg_name(cfg), f"{floor['gather_bytes'] / 2**20:.2f} MiB" if floor else "–",
-                   _ms(floor and floor["median_s"]),
-                   f"{floor['busbw_gbps']:.2f}" if floor and "busbw_gbps" in floor else "–",
-                   _x(naive and naive.get("ratio_to_floor"))]
+            row = [
+                _cfg_name(cfg),
+                f"{floor['gather_bytes'] / 2**20:.2f} MiB" if floor else "–",
+                _ms(floor and floor["median_s"]),
+                f"{floor['busbw_gbps']:.2f}" if floor and "busbw_gbps" in floor else "–",
+                _x(naive and naive.get("ratio_to_floor")),
+            ]
             for i in impls:
                 r = ix.get("allgather", ws, i, cfg, "e2e")
-                row += [_ms(r and r["median_s"]), _x(r and r.get("ratio_to_floor")),
-                        _x(r and r.get("vs_torch_fsdp2"))]
+                row += [
+                    _ms(r and r["median_s"]),
+                    _x(r and r.get("ratio_to_floor")),
+                    _x(r and r.get("vs_torch_fsdp2")),
+                ]
             out.append("| " + " | ".join(row) + " |")
         out.append("")
         fsdp2_impls = ix.impls("allgather", style="fsdp2")
         if fsdp2_impls:
-            out += [f"Pieces at world size {ws} (FSDP2-style; ms and ×floor; `unshard` = copy-in + "
-                    "collective as the param group issues it, `copy_out` = split into the unsharded "
-                    "parameters; FSDP1-style pieces are not reachable: see the skipped cases):", "",
-                    "| shapes | impl | copy_in | unshard | copy_out | e2e | e2e spread |",
-                    "|---|---|---|---|---|---|---|"]
+            out += [
+                f"Pieces at world size {ws} (FSDP2-style; ms and ×floor; `unshard` = copy-in + "
+                "collective as the param group issues it, `copy_out` = split into the unsharded "
+                "parameters; FSDP1-style pieces are not reachable: see the skipped cases):",
+                "",
+                "| shapes | impl | copy_in | unshard | copy_out | e2e | e2e spread |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for cfg in ix.configs("allgather", ws):
                 for i in fsdp2_impls:
                     cells = []
                     for piece in ("copy_in", "unshard", "copy_out", "e2e"):
                         r = ix.get("allgather", ws, i, cfg, piece)
-                        cells.append(f"{_ms(r and r['median_s'])} ({_x(r and r.get('ratio_to_floor'))})")
+                        cells.append(
+                            f"{_ms(r and r['median_s'])} ({_x(r and r.get('ratio_to_floor'))})"
+                        )
                     e2e = ix.get("allgather", ws, i, cfg, "e2e")
                     spread = f"{e2e['iqr_rel']:.0%}" if e2e else "–"
-                    out.append(f"| {_cfg_name(cfg)} | {i} | " + " | ".join(cells) + f" | {spread} |")
+                    out.append(
+                        f"| {_cfg_name(cfg)} | {i} | " + " | ".join(cells) + f" | {spread} |"
+                    )
             out.append("")
     return out
 
 
 # ------------------------------------------------------------------------------------ padding
 def _padding(ix: Index) -> list[str]:
-    out = ["## Padding path", "",
-           "GB/s = this rank's padded shard bytes / time; `×memcpy` = time / memcpy time of the same "
-           "bytes (≤ 1.25× means ≥ 0.8× memcpy bandwidth). Payload efficiency = unpadded / padded "
-           "bytes (FSDP2: per-parameter dim-0 padding; FSDP1: one flat parameter).", ""]
+    out = [
+        "## Padding path",
+        "",
+        "GB/s = this rank's padded shard bytes / time; `×memcpy` = time / memcpy time of the same "
+        "bytes (≤ 1.25× means ≥ 0.8× memcpy bandwidth). Payload efficiency = unpadded / padded "
+        "bytes (FSDP2: per-parameter dim-0 padding; FSDP1: one flat parameter).",
+        "",
+    ]
     impls = ix.impls("padding")
     for ws in ix.world_sizes("padding"):
-        out += [f"### World size {ws}", "",
-                "| shapes | impl | payload eff. | memcpy GB/s | construct GB/s (×memcpy) | "
-                "load_assign GB/s (×memcpy) | reset GB/s (×memcpy) |", "|---|---|---|---|---|---|---|"]
+        out += [
+            f"### World size {ws}",
+            "",
+            "| shapes | impl | payload eff. | memcpy GB/s | construct GB/s (×memcpy) | "
+            "load_assign GB/s (×memcpy) | reset GB/s (×memcpy) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for cfg in ix.configs("padding", ws):
             for i in impls:
                 floor = ix.get("padding", ws, i, cfg, "memcpy")
@@ -152,26 +204,42 @@ def _padding(ix: Index) -> list[str]:
                 cells = []
                 for step in ("construct", "load_assign", "reset"):
                     r = ix.get("padding", ws, i, cfg, step)
-                    cells.append("n/a" if r is None else f"{r['gbps']:.2f} ({_x(r.get('ratio_to_floor'))})")
-                out.append(f"| {_cfg_name(cfg)} | {i} | {floor['payload_efficiency']:.4f} | "
-                           f"{floor['gbps']:.2f} | " + " | ".join(cells) + " |")
+                    cells.append(
+                        "n/a" if r is None else f"{r['gbps']:.2f} ({_x(r.get('ratio_to_floor'))})"
+                    )
+                out.append(
+                    f"| {_cfg_name(cfg)} | {i} | {floor['payload_efficiency']:.4f} | "
+                    f"{floor['gbps']:.2f} | " + " | ".join(cells) + " |"
+                )
         out.append("")
     return out
 
 
 # ------------------------------------------------------------------------------------ state dict
 def _state_dict(ix: Index) -> list[str]:
-    out = ["## State-dict paths", "",
-           "Cells: median ms, and for FULL kinds ×floor (the raw gather of the same bytes, + the "
-           "copy to CPU when offloading). FSDP1 `full_rank0_offload` is skipped on CPU "
-           "(pytorch#188989).", ""]
+    out = [
+        "## State-dict paths",
+        "",
+        "Cells: median ms, and for FULL kinds ×floor (the raw gather of the same bytes, + the "
+        "copy to CPU when offloading). FSDP1 `full_rank0_offload` is skipped on CPU "
+        "(pytorch#188989).",
+        "",
+    ]
     for ws in ix.world_sizes("state_dict"):
         cfgs = ix.configs("state_dict", ws)
-        out += [f"### World size {ws}", "",
-                "| impl | kind | op | " + " | ".join(_cfg_name(c) for c in cfgs) + " |",
-                "|---|---|---|" + "---|" * len(cfgs)]
-        rows = sorted({(r["impl"], r["kind"], r["path"]) for r in ix.records
-                       if r["area"] == "state_dict" and r["world_size"] == ws and r["path"] != "floor"})
+        out += [
+            f"### World size {ws}",
+            "",
+            "| impl | kind | op | " + " | ".join(_cfg_name(c) for c in cfgs) + " |",
+            "|---|---|---|" + "---|" * len(cfgs),
+        ]
+        rows = sorted(
+            {
+                (r["impl"], r["kind"], r["path"])
+                for r in ix.records
+                if r["area"] == "state_dict" and r["world_size"] == ws and r["path"] != "floor"
+            }
+        )
         for impl, kind, op in rows:
             cells = []
             for c in cfgs:
@@ -185,15 +253,24 @@ def _state_dict(ix: Index) -> list[str]:
             out.append(f"| {impl} | {kind} | {op} | " + " | ".join(cells) + " |")
         out.append("")
     # O(1) per parameter: SHARDED-like saves on the large set (same parameter count, growing bytes)
-    out += ["### SHARDED-like saves cost per parameter, not per byte", "",
-            "`large` set (always 4 parameters) from 1 to the largest size: a flat row means no copy.",
-            "", "| ws | impl | kind | " + "µs/param by size → |", "|---|---|---|---|"]
+    out += [
+        "### SHARDED-like saves cost per parameter, not per byte",
+        "",
+        "`large` set (always 4 parameters) from 1 to the largest size: a flat row means no copy.",
+        "",
+        "| ws | impl | kind | " + "µs/param by size → |",
+        "|---|---|---|---|",
+    ]
     for r_ws in ix.world_sizes("state_dict"):
         per = defaultdict(list)
         for r in ix.records:
-            if (r["area"] == "state_dict" and r["world_size"] == r_ws and r["path"] == "save"
-                    and r["shape_set"] == "large" and r["kind"] in ("sharded", "local", "dtensor",
-                                                                    "dcp_sharded")):
+            if (
+                r["area"] == "state_dict"
+                and r["world_size"] == r_ws
+                and r["path"] == "save"
+                and r["shape_set"] == "large"
+                and r["kind"] in ("sharded", "local", "dtensor", "dcp_sharded")
+            ):
                 per[(r["impl"], r["kind"])].append((r["size_mb"], r["per_param_us"]))
         for (impl, kind), pts in sorted(per.items()):
             cells = ", ".join(f"{s:g} MiB: {us:.0f}" for s, us in sorted(pts))
@@ -213,39 +290,73 @@ def _targets(ix: Index) -> list[str]:
     if not any(r["impl"] in (REF, REF1) for r in ix.records):
         return out + ["Not measured: no reference implementation was benchmarked in this run.", ""]
     for ws in (2, 4):
-        recs = [r for r in ix.records if r["area"] == "allgather" and r["world_size"] == ws
-                and r["impl"] == REF and r["path"] == "e2e"]
+        recs = [
+            r
+            for r in ix.records
+            if r["area"] == "allgather"
+            and r["world_size"] == ws
+            and r["impl"] == REF
+            and r["path"] == "e2e"
+        ]
         if not recs:
-            out.append(f"* all-gather end to end ≤ {TARGET_AG:.2f}× the raw collective, ws {ws}: "
-                       "not measured")
+            out.append(
+                f"* all-gather end to end ≤ {TARGET_AG:.2f}× the raw collective, ws {ws}: "
+                "not measured"
+            )
             continue
         worst = _worst([(_cfg_name(_cfg(r)), r.get("ratio_to_floor")) for r in recs])
         vs = _worst([(_cfg_name(_cfg(r)), r.get("vs_torch_fsdp2")) for r in recs])
         ok = worst[1] <= TARGET_AG
-        out.append(f"* all-gather end to end ≤ {TARGET_AG:.2f}× raw collective, ws {ws}: "
-                   f"**{'met' if ok else 'not met'}** (worst {worst[1]:.2f}× on {worst[0]}; "
-                   + ", ".join(f"{_cfg_name(_cfg(r))} {r.get('ratio_to_floor', 0):.2f}×" for r in recs)
-                   + ")")
+        out.append(
+            f"* all-gather end to end ≤ {TARGET_AG:.2f}× raw collective, ws {ws}: "
+            f"**{'met' if ok else 'not met'}** (worst {worst[1]:.2f}× on {worst[0]}; "
+            + ", ".join(f"{_cfg_name(_cfg(r))} {r.get('ratio_to_floor', 0):.2f}×" for r in recs)
+            + ")"
+        )
         if vs:
-            out.append(f"* all-gather end to end no slower than torch-fsdp2, ws {ws}: "
-                       f"**{'met' if vs[1] <= 1.0 else 'not met'}** (worst {vs[1]:.2f}× on {vs[0]}; "
-                       + ", ".join(f"{_cfg_name(_cfg(r))} {r['vs_torch_fsdp2']:.2f}×" for r in recs
-                                   if r.get("vs_torch_fsdp2")) + ")")
-    pad = [r for r in ix.records if r["area"] == "padding" and r["impl"] == REF
-           and r["path"] in ("construct", "load_assign", "reset") and r.get("ratio_to_floor")]
+            out.append(
+                f"* all-gather end to end no slower than torch-fsdp2, ws {ws}: "
+                f"**{'met' if vs[1] <= 1.0 else 'not met'}** (worst {vs[1]:.2f}× on {vs[0]}; "
+                + ", ".join(
+                    f"{_cfg_name(_cfg(r))} {r['vs_torch_fsdp2']:.2f}×"
+                    for r in recs
+                    if r.get("vs_torch_fsdp2")
+                )
+                + ")"
+            )
+    pad = [
+        r
+        for r in ix.records
+        if r["area"] == "padding"
+        and r["impl"] == REF
+        and r["path"] in ("construct", "load_assign", "reset")
+        and r.get("ratio_to_floor")
+    ]
     for step in ("construct", "load_assign", "reset"):
-        pts = [(f"ws{r['world_size']} {_cfg_name(_cfg(r))}", 1 / r["ratio_to_floor"]) for r in pad
-               if r["path"] == step]
+        pts = [
+            (f"ws{r['world_size']} {_cfg_name(_cfg(r))}", 1 / r["ratio_to_floor"])
+            for r in pad
+            if r["path"] == step
+        ]
         if pts:
             low = min(pts, key=lambda p: p[1])
-            out.append(f"* padding `{step}` ≥ {TARGET_PAD}× memcpy bandwidth: "
-                       f"**{'met' if low[1] >= TARGET_PAD else 'not met'}** (lowest {low[1]:.2f}× on "
-                       f"{low[0]}; met in {sum(p[1] >= TARGET_PAD for p in pts)}/{len(pts)} cases)")
-    for ref, kind, against in ((REF1, "full", [("torch-fsdp1", "full"), ("torch-fsdp2", "dcp_full")]),
-                               (REF, "dcp_full", [("torch-fsdp2", "dcp_full"),
-                                                  ("torch-fsdp1", "full")])):
-        mine = [r for r in ix.records if r["area"] == "state_dict" and r["impl"] == ref
-                and r["kind"] == kind and r["path"] == "save"]
+            out.append(
+                f"* padding `{step}` ≥ {TARGET_PAD}× memcpy bandwidth: "
+                f"**{'met' if low[1] >= TARGET_PAD else 'not met'}** (lowest {low[1]:.2f}× on "
+                f"{low[0]}; met in {sum(p[1] >= TARGET_PAD for p in pts)}/{len(pts)} cases)"
+            )
+    for ref, kind, against in (
+        (REF1, "full", [("torch-fsdp1", "full"), ("torch-fsdp2", "dcp_full")]),
+        (REF, "dcp_full", [("torch-fsdp2", "dcp_full"), ("torch-fsdp1", "full")]),
+    ):
+        mine = [
+            r
+            for r in ix.records
+            if r["area"] == "state_dict"
+            and r["impl"] == ref
+            and r["kind"] == kind
+            and r["path"] == "save"
+        ]
         if not mine:
             continue
         for other, okind in against:
@@ -253,20 +364,29 @@ def _targets(ix: Index) -> list[str]:
             for r in mine:
                 o = ix.get("state_dict", r["world_size"], other, _cfg(r), "save", okind)
                 if o and o["median_s"]:
-                    pts.append((f"ws{r['world_size']} {_cfg_name(_cfg(r))}", r["median_s"] / o["median_s"]))
+                    pts.append(
+                        (f"ws{r['world_size']} {_cfg_name(_cfg(r))}", r["median_s"] / o["median_s"])
+                    )
             if pts:
                 worst = max(pts, key=lambda p: p[1])
-                out.append(f"* FULL state dict save (`{ref}` {kind}) no slower than `{other}` {okind}: "
-                           f"**{'met' if worst[1] <= 1.0 else 'not met'}** (worst {worst[1]:.2f}× on "
-                           f"{worst[0]}; ≤ 1.00× in {sum(p[1] <= 1.0 for p in pts)}/{len(pts)} cases)")
-    out += ["", "A target counts as met only if it holds in every measured case; ratios between "
-            "implementations come from separate tasks and carry the machine's noise."]
+                out.append(
+                    f"* FULL state dict save (`{ref}` {kind}) no slower than `{other}` {okind}: "
+                    f"**{'met' if worst[1] <= 1.0 else 'not met'}** (worst {worst[1]:.2f}× on "
+                    f"{worst[0]}; ≤ 1.00× in {sum(p[1] <= 1.0 for p in pts)}/{len(pts)} cases)"
+                )
+    out += [
+        "",
+        "A target counts as met only if it holds in every measured case; ratios between "
+        "implementations come from separate tasks and carry the machine's noise.",
+    ]
     return out + [""]
 
 
 def records_from_benchmark_json(path) -> tuple[list[dict], dict]:
     data = json.loads(Path(path).read_text())
-    records = [b["extra_info"] for b in data.get("benchmarks", []) if b.get("extra_info", {}).get("area")]
+    records = [
+        b["extra_info"] for b in data.get("benchmarks", []) if b.get("extra_info", {}).get("area")
+    ]
     return records, {"notes": [f"rebuilt from {path}"]}
 
 

@@ -26,7 +26,7 @@ def padded_chunk(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     """Rank ``rank``'s dim-0 shard of ``full``, zero-padded to ``ceil(dim0 / ws)`` rows."""
     rows = math.ceil(full.shape[0] / world_size)
     out = full.new_zeros((rows, *full.shape[1:]))
-    piece = full[rank * rows:(rank + 1) * rows]
+    piece = full[rank * rows : (rank + 1) * rows]
     out[: piece.shape[0]].copy_(piece)
     return out
 
@@ -69,7 +69,9 @@ def floors(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) -
     rows = out.view(ws, numel)
     for r in range(ws):
         expect = torch.cat([padded_chunk(t, r, ws).reshape(-1) for t in origs])
-        assert torch.equal(rows[r], expect), f"{ctx.where()} floor row {r} != rank {r}'s padded chunks"
+        assert torch.equal(rows[r], expect), (
+            f"{ctx.where()} floor row {r} != rank {r}'s padded chunks"
+        )
     for i, (got, t) in enumerate(zip(naive(None), origs)):
         assert torch.equal(got, t), f"{ctx.where()} naive all_gather+cat of p{i} != original"
     times = measure(ctx, {"floor": floor, "naive": Step(naive)}, quick=quick, **timing)
@@ -101,7 +103,8 @@ def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
     for i, t in enumerate(origs):
         got = getattr(model, f"p{i}")
         assert tuple(got.shape) == tuple(t.shape) and torch.equal(got.detach(), t), (
-            f"{ctx.where()} unsharded p{i} (shape {tuple(got.shape)}) != original {tuple(t.shape)}")
+            f"{ctx.where()} unsharded p{i} (shape {tuple(got.shape)}) != original {tuple(t.shape)}"
+        )
     model.reshard()
     group = param_group(model)
     fsdp_params = list(group.fsdp_params)
@@ -129,12 +132,21 @@ def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
         "e2e": Step(e2e),
         "copy_in": Step(copy_in),
         "unshard": Step(lambda _: group.unshard(False), after=finish),  # copy-in + collective
-        "copy_out": Step(lambda _: group.wait_for_unshard(), prepare=lambda: group.unshard(False),
-                         after=lambda _: model.reshard()),
+        "copy_out": Step(
+            lambda _: group.wait_for_unshard(),
+            prepare=lambda: group.unshard(False),
+            after=lambda _: model.reshard(),
+        ),
     }
     times = measure(ctx, steps, quick=quick, **timing)
-    return {"times": times, "info": {**payload(shape_list, ws), "gather_bytes": rule_numel * ws * 4,
-                                     "impl_gather_bytes": impl_numel * ws * 4}}
+    return {
+        "times": times,
+        "info": {
+            **payload(shape_list, ws),
+            "gather_bytes": rule_numel * ws * 4,
+            "impl_gather_bytes": impl_numel * ws * 4,
+        },
+    }
 
 
 # ------------------------------------------------------------------------------------ FSDP1-style
@@ -155,7 +167,8 @@ def fsdp1(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
         for i, t in enumerate(origs):
             g = got.get(f"p{i}")
             assert g is not None and torch.equal(g.reshape(t.shape), t), (
-                f"{ctx.where()} summoned p{i} != original (names seen: {sorted(got)[:4]}...)")
+                f"{ctx.where()} summoned p{i} != original (names seen: {sorted(got)[:4]}...)"
+            )
     numel = flat_padded_numel([math.prod(s) for s in shape_list], ws)
     floor, _, _ = gather_floor(ctx, numel)
 
@@ -165,6 +178,9 @@ def fsdp1(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
 
     times = measure(ctx, {"floor": floor, "e2e": Step(e2e)}, quick=quick, **timing)
     info = payload(shape_list, ws)
-    info.update(padded_bytes=numel * ws * 4, payload_efficiency=info["unpadded_bytes"] / (numel * ws * 4),
-                gather_bytes=numel * ws * 4)
+    info.update(
+        padded_bytes=numel * ws * 4,
+        payload_efficiency=info["unpadded_bytes"] / (numel * ws * 4),
+        gather_bytes=numel * ws * 4,
+    )
     return {"times": times, "info": info}

@@ -40,11 +40,13 @@ def _check_fsdp2_shards(ctx, model, origs, what: str, offset: float = 0.0) -> No
         padded = fp._sharded_param_data.view(expect.shape)
         assert torch.equal(padded, expect), (
             f"{ctx.where()} {what}: padded shard of p{i} != rows of chunk {ctx.rank} of "
-            f"ceil({t.shape[0]}/{ws}) rows, zero-padded")
+            f"ceil({t.shape[0]}/{ws}) rows, zero-padded"
+        )
         local = getattr(model, f"p{i}").to_local()
         rows = min(max(t.shape[0] - ctx.rank * expect.shape[0], 0), expect.shape[0])
         assert local.shape[0] == rows and torch.equal(local, expect[:rows]), (
-            f"{ctx.where()} {what}: local tensor of p{i} has {local.shape[0]} rows, expected {rows}")
+            f"{ctx.where()} {what}: local tensor of p{i} has {local.shape[0]} rows, expected {rows}"
+        )
 
 
 def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) -> dict:
@@ -59,8 +61,10 @@ def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
     group = param_group(model)
 
     def fresh_dtensors(offset: float = 0.0) -> dict:
-        return {k: (v.detach() + offset) if offset else v.detach().clone()
-                for k, v in model.state_dict().items()}
+        return {
+            k: (v.detach() + offset) if offset else v.detach().clone()
+            for k, v in model.state_dict().items()
+        }
 
     # correctness once: loading (assign=True) shifted values re-pads them; then back to originals
     model.load_state_dict(fresh_dtensors(1.0), assign=True)
@@ -80,9 +84,12 @@ def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
     _check_fsdp2_shards(ctx, model, origs, "after reset_sharded_param")
     steps = {
         "memcpy": memcpy_floor(ctx, numel),
-        "construct": Step(lambda m: fully_shard(m, mesh=ctx.mesh),
-                          prepare=lambda: Bag(shape_list, ctx.device)),
-        "load_assign": Step(lambda sd: model.load_state_dict(sd, assign=True), prepare=fresh_dtensors),
+        "construct": Step(
+            lambda m: fully_shard(m, mesh=ctx.mesh), prepare=lambda: Bag(shape_list, ctx.device)
+        ),
+        "load_assign": Step(
+            lambda sd: model.load_state_dict(sd, assign=True), prepare=fresh_dtensors
+        ),
         "reset": Step(reset, prepare=replace_params),
     }
     times = measure(ctx, steps, quick=quick, **timing)
@@ -93,23 +100,32 @@ def fsdp1(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
     ctx.require("fsdp1-api")
     ws = ctx.world_size
     shape_list, origs = originals(ctx, shape_set, size_mb)
-    numel = flat_padded_numel([math.prod(s) for s in shape_list], ws) if ws > 1 else \
-        sum(math.prod(s) for s in shape_list)
+    numel = (
+        flat_padded_numel([math.prod(s) for s in shape_list], ws)
+        if ws > 1
+        else sum(math.prod(s) for s in shape_list)
+    )
     model = ctx.impl.shard(Bag(shape_list, ctx.device), ctx)
-    (fqns, shard), = ctx.impl.flat_shards(model)
+    ((fqns, shard),) = ctx.impl.flat_shards(model)
     flat = torch.cat([t.reshape(-1) for t in origs])
     expect = flat.new_zeros(numel * ws)
     expect[: flat.numel()] = flat
     expect = expect.view(ws, numel)[ctx.rank]
     assert shard.numel() == numel and torch.equal(shard, expect), (
         f"{ctx.where()} flat shard ({shard.numel()} elements) != chunk {ctx.rank} of the "
-        f"concatenated originals padded to {numel * ws} elements")
+        f"concatenated originals padded to {numel * ws} elements"
+    )
     steps = {
         "memcpy": memcpy_floor(ctx, numel),
-        "construct": Step(lambda m: ctx.impl.shard(m, ctx), prepare=lambda: Bag(shape_list, ctx.device)),
+        "construct": Step(
+            lambda m: ctx.impl.shard(m, ctx), prepare=lambda: Bag(shape_list, ctx.device)
+        ),
     }
     times = measure(ctx, steps, quick=quick, **timing)
     info = payload(shape_list, ws)
-    info.update(local_padded_bytes=numel * 4, padded_bytes=numel * ws * 4,
-                payload_efficiency=info["unpadded_bytes"] / (numel * ws * 4))
+    info.update(
+        local_padded_bytes=numel * 4,
+        padded_bytes=numel * ws * 4,
+        payload_efficiency=info["unpadded_bytes"] / (numel * ws * 4),
+    )
     return {"times": times, "info": info}

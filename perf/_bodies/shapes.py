@@ -65,5 +65,9 @@ def payload(shape_list, world_size: int) -> dict:
     """Unpadded bytes, per-parameter dim-0 padded bytes (all ranks) and their ratio."""
     unpadded = sum(math.prod(s) for s in shape_list) * ELEM
     padded = sum(dim0_padded_numel(s, world_size) for s in shape_list) * world_size * ELEM
-    return {"unpadded_bytes": unpadded, "padded_bytes": padded,
-            "payload_efficiency": unpadded / padded, "num_params": len(shape_list)}
+    return {
+        "unpadded_bytes": unpadded,
+        "padded_bytes": padded,
+        "payload_efficiency": unpadded / padded,
+        "num_params": len(shape_list),
+    }

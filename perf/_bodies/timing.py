@@ -55,8 +55,16 @@ def _one(step: Step, device: torch.device) -> float:
     return elapsed
 
 
-def measure(ctx, steps: dict[str, Step], *, quick: bool = False, warmup: int = 2,
-            min_rounds: int = 5, max_rounds: int = 40, budget_s: float = 1.5) -> dict[str, list[float]]:
+def measure(
+    ctx,
+    steps: dict[str, Step],
+    *,
+    quick: bool = False,
+    warmup: int = 2,
+    min_rounds: int = 5,
+    max_rounds: int = 40,
+    budget_s: float = 1.5,
+) -> dict[str, list[float]]:
     """This rank's per-round seconds for every step (see the module note)."""
     if quick:
         return {name: [_one(step, ctx.device)] for name, step in steps.items()}
