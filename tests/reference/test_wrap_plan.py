@@ -583,3 +583,47 @@ def test_zoo_reference_machinery_matches_torch_fsdp1(case):
             assert units[fqn].mixed_precision == (
                 unit.kwargs["mixed_precision"] or MixedPrecision()
             )
+
+
+# --- W6 with real FSDP objects (one gloo rank) ---------------------------------------------------
+
+
+def _nested_fsdp_body(rank, world_size):
+    """Apply each real FSDP flavour to ``lin1.1`` and ask the reference to auto-wrap around it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import reference
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    appliers = {
+        "torch-fsdp1": lambda m: FSDP(m, device_id=CPU),
+        "torch-fsdp2": lambda m: torch_fully_shard(m, mesh=mesh),
+        "reference-fsdp1": lambda m: reference.FullyShardedDataParallel(m, device_id=CPU),
+        "reference-fsdp2": lambda m: reference.fully_shard(m, mesh=mesh),
+    }
+    outcome = {}
+    for flavour, apply in appliers.items():
+        root = nn.Module()
+        root.lin1 = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            root.lin1[1] = apply(root.lin1[1])
+        try:
+            build_wrap_plan(root, W.always_wrap_policy)
+            outcome[flavour] = "no error"
+        except ValueError as e:
+            outcome[flavour] = str(e).split("\n")[0]
+    return outcome
+
+
+def test_nested_wrapping_detects_every_fsdp_flavour():
+    from tests._spawn import run_on_ranks
+
+    (outcome,) = run_on_ranks(_nested_fsdp_body, 1)
+    want = (
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found lin1.1 in"
+    )
+    assert outcome == dict.fromkeys(
+        ["torch-fsdp1", "torch-fsdp2", "reference-fsdp1", "reference-fsdp2"], want
+    )
