@@ -151,13 +151,26 @@ def clean(name: str) -> str:
     return ".".join(p for p in name.split(".") if p and p != "_fsdp_wrapped_module")
 
 
+def _are_params(ignored) -> bool:
+    return all(isinstance(x, nn.Parameter) for x in ignored)
+
+
+def _ignored_sets(ignored) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """FSDP1's normalisation: ignored modules with their subtrees, and all ignored parameters."""
+    if _are_params(ignored):
+        return set(), set(ignored)
+    modules = {m for top in ignored for m in top.modules()}
+    return modules, {p for m in modules for p in m.parameters()}
+
+
 def torch_fsdp1_units(model, policy, ignored, mp, use_orig_params):
     """{clean fqn: FSDP instance} of what torch FSDP1 builds (``""`` = the root)."""
     fsdp = FSDP(
         model,
         process_group=DummyProcessGroup(0, 1),
         auto_wrap_policy=policy,
-        ignored_modules=ignored or None,
+        ignored_modules=None if not ignored or _are_params(ignored) else ignored,
+        ignored_states=ignored if ignored and _are_params(ignored) else None,
         mixed_precision=mp,
         use_orig_params=use_orig_params,
         device_id=CPU,
@@ -185,8 +198,7 @@ def torch_auto_wrap_calls(model, policy, ignored, root_kwargs):
             calls.append((names[module], dict(kwargs)))
             return module
 
-    ignored_modules = {m for top in ignored for m in top.modules()}
-    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    ignored_modules, ignored_params = _ignored_sets(ignored)
     torch_wrap_utils._auto_wrap(
         model, policy, ignored_modules, ignored_params, dict(root_kwargs), Recorder
     )
@@ -207,18 +219,22 @@ def run_or_error(fn):
     model_spec=MODELS,
     policy_spec=POLICIES,
     ignored_idx=st.lists(st.integers(0, 50), max_size=2),
+    ignore_params=st.booleans(),
     frozen_idx=st.lists(st.integers(0, 50), max_size=2),
     with_mp=st.booleans(),
     use_orig_params=st.booleans(),
 )
 def test_plan_matches_torch_fsdp1(
-    model_spec, policy_spec, ignored_idx, frozen_idx, with_mp, use_orig_params
+    model_spec, policy_spec, ignored_idx, ignore_params, frozen_idx, with_mp, use_orig_params
 ):
     mp = MixedPrecision(param_dtype=torch.float16) if with_mp else None
 
     def fresh():
         model = build_model(model_spec)
         freeze(model, frozen_idx)
+        if ignore_params:
+            params = list(model.parameters())
+            return model, [params[i % len(params)] for i in ignored_idx] if params else []
         return model, pick(model, ignored_idx)
 
     model, ignored = fresh()
@@ -229,7 +245,8 @@ def test_plan_matches_torch_fsdp1(
             lambda: build_wrap_plan(
                 model,
                 build_policy(policy_spec, W),
-                ignored_modules=ignored,
+                ignored_modules=() if ignore_params else ignored,
+                ignored_params=ignored if ignore_params else (),
                 root_kwargs=root_kwargs,
             )
         )
@@ -284,7 +301,7 @@ def check_plan_invariants(model: nn.Module, plan: WrapPlan, ignored) -> None:
     all_params = [n for n, _ in model.named_parameters()]
     assert len(groups) == len(set(groups))
     assert sorted(groups + list(plan.ignored_param_fqns)) == sorted(all_params)
-    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
+    ignored_ids = {id(p) for p in _ignored_sets(ignored)[1]}
     assert {n for n, p in model.named_parameters() if id(p) in ignored_ids} == set(
         plan.ignored_param_fqns
     )
