@@ -16,7 +16,9 @@ Two answers live here:
               order in which FSDP1 constructs its nested instances).
   managed     the parameters of a unit's subtree that no earlier unit (in build order) manages
               and that are not ignored; every non-ignored parameter is managed by exactly one
-              unit. A parameter shared between two units' subtrees goes to the earlier unit.
+              unit. A parameter shared between two units' subtrees goes to the earlier unit
+              (torch 2.13 FSDP1 does the same with use_orig_params=True; with False it
+              flattens such a parameter into both units).
   module FQN  the name from ``root.named_modules()`` of the unwrapped model ("" = root); a
               module reachable along several paths is planned once, under its first name.
 """

@@ -644,3 +644,75 @@ def test_nested_wrapping_detects_every_fsdp_flavour():
     assert outcome == dict.fromkeys(
         ["torch-fsdp1", "torch-fsdp2", "reference-fsdp1", "reference-fsdp2"], want
     )
+
+
+# --- W10: upstream's CustomPolicy expectations through torch FSDP1 (world of two) ----------------
+
+
+class TransformerWithBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = _transformer()
+        self.bn = nn.BatchNorm1d(8)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_custom_policy_kwargs_match_torch_fsdp1(uniform):
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+    def lambda_fn(module):
+        if isinstance(module, nn.BatchNorm1d):
+            return True if uniform else {"sharding_strategy": ShardingStrategy.NO_SHARD}
+        if isinstance(module, nn.TransformerEncoderLayer):
+            return True
+        if isinstance(module, nn.TransformerDecoderLayer):
+            return (
+                True
+                if uniform
+                else {
+                    "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+                    "backward_prefetch": BackwardPrefetch.BACKWARD_POST,
+                }
+            )
+        return False
+
+    mp = MixedPrecision(param_dtype=torch.float16)
+    root_kwargs = {
+        "sharding_strategy": ShardingStrategy.FULL_SHARD,
+        "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
+        "mixed_precision": mp,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = build_wrap_plan(
+            TransformerWithBN(), W.CustomPolicy(lambda_fn), root_kwargs=root_kwargs
+        )
+        fsdp = FSDP(
+            TransformerWithBN(),
+            process_group=DummyProcessGroup(0, 2),
+            auto_wrap_policy=TW.CustomPolicy(lambda_fn),
+            device_id=CPU,
+            **root_kwargs,
+        )
+    units = {clean(n): m for n, m in fsdp.named_modules() if isinstance(m, FSDP)}
+    layers = [f"transformer.encoder.layers.{i}" for i in range(2)]
+    layers += [f"transformer.decoder.layers.{i}" for i in range(2)]
+    assert set(plan.module_fqns) == set(units) == {"", "bn", *layers}
+    for fqn, kwargs in plan.targets:
+        unit = units[fqn]
+        want_strategy = kwargs["sharding_strategy"]
+        assert unit.sharding_strategy == want_strategy
+        assert unit.backward_prefetch == kwargs["backward_prefetch"]
+        assert unit.mixed_precision == (kwargs["mixed_precision"] or MixedPrecision())
+        # upstream's expectations, written out (spec W10)
+        if fqn == "bn":
+            assert unit.mixed_precision == MixedPrecision()
+            want = ShardingStrategy.FULL_SHARD if uniform else ShardingStrategy.NO_SHARD
+            assert want_strategy == want
+        elif "decoder" in fqn and not uniform:
+            assert want_strategy == ShardingStrategy.SHARD_GRAD_OP
+            assert kwargs["backward_prefetch"] == BackwardPrefetch.BACKWARD_POST
+        else:
+            assert want_strategy == ShardingStrategy.FULL_SHARD
+            assert kwargs["backward_prefetch"] == BackwardPrefetch.BACKWARD_PRE
+            assert unit.mixed_precision == mp
