@@ -473,6 +473,33 @@ def _transformer():
 
 TRANSFORMER_LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
 
+
+class LoraAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(4, 4, bias=False)
+        self.lora_A = nn.Linear(4, 2, bias=False)
+        self.lora_B = nn.Linear(2, 4, bias=False)
+
+
+class LoraModel(nn.Module):
+    """Frozen base weights, trainable lora_A (W12's model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.layers = nn.ModuleList([nn.Sequential(LoraAttn(), nn.LayerNorm(4)) for _ in range(2)])
+        for name, p in self.named_parameters():
+            p.requires_grad_("lora_A" in name)
+
+
+def _lora_apart(lib):
+    def fn(m):
+        return isinstance(m, LoraAttn) or (isinstance(m, nn.Linear) and m.weight.requires_grad)
+
+    return lib.CustomPolicy(fn)
+
+
 ZOO = {
     "nested-size40": (nested_sequential, _size(40), None, False),
     "nested-always": (nested_sequential, lambda lib: lib.always_wrap_policy, None, False),
@@ -542,6 +569,8 @@ ZOO = {
         None,
         True,
     ),
+    "lora-module": (LoraModel, lambda lib: lib.ModuleWrapPolicy({LoraAttn}), None, False),
+    "lora-custom-mp": (LoraModel, _lora_apart, None, True),
     "transformer-size500": (_transformer, _size(500), None, False),
     "transformer-size500-mp": (_transformer, _size(500), None, True),
 }
@@ -577,13 +606,16 @@ def test_zoo_reference_machinery_matches_torch_fsdp1(case):
         ignored = pick_ignored(ref_model) if pick_ignored else []
         ignored_modules = {m for top in ignored for m in top.modules()}
         ignored_params = {p for m in ignored_modules for p in m.parameters()}
-        root_kwargs = {"mixed_precision": mp}
+        root_kwargs = {"mixed_precision": mp, "use_orig_params": True}
         wu._auto_wrap(ref_model, make_policy(W), ignored_modules, ignored_params, root_kwargs, Unit)
 
         plan_model = make_model()
         ignored = pick_ignored(plan_model) if pick_ignored else []
         plan = build_wrap_plan(
-            plan_model, make_policy(W), ignored_modules=ignored, root_kwargs={"mixed_precision": mp}
+            plan_model,
+            make_policy(W),
+            ignored_modules=ignored,
+            root_kwargs={"mixed_precision": mp, "use_orig_params": True},
         )
     ref_units = {"": None}
     for name, module in ref_model.named_modules():
