@@ -105,7 +105,23 @@ class Implementation:
 
     # -- state dict ----------------------------------------------------------------------------
     def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
-        """``kind`` in {"full", "sharded", "local"}; config e.g. ``rank0_only``, ``offload_to_cpu``."""
+        """This rank's state dict of ``module`` of the given ``kind``; keys are clean FQNs.
+
+        FSDP1-style kinds (capabilities ``full-state-dict`` / ``sharded-state-dict`` /
+        ``local-state-dict``), config ``rank0_only`` (full only), ``offload_to_cpu``:
+        * ``"full"``: full plain tensors (cloned); with ``rank0_only`` other ranks get ``{}``;
+        * ``"sharded"``: per original parameter a ``ShardedTensor`` (or ``DTensor``) holding this
+          rank's ``torch.chunk(p, ws, 0)[rank]``;
+        * ``"local"``: per flat parameter ``<prefix>._flat_param``, a 1-D ``ShardedTensor`` of
+          the unpadded flat shard.
+        FSDP2-style kinds (capability ``dtensor-state-dict``), config ``cpu_offload`` (dcp only):
+        * ``"dtensor"``: ``module.state_dict()``, whose values are the sharded DTensor parameters;
+        * ``"dcp-full"`` / ``"dcp-sharded"``: ``torch.distributed.checkpoint.state_dict.
+          get_model_state_dict`` with ``StateDictOptions(full_state_dict=..., cpu_offload=...)``
+          (full + cpu_offload: only rank 0 holds the dict).
+        Persistent buffers appear under clean names in every kind. Raise NotSupported for a kind
+        or config you do not support. ``load_state_dict`` takes the same kinds and config plus
+        ``strict`` and returns the missing/unexpected keys."""
         raise NotSupported(f"{kind} state dict")
 
     def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", **config):

@@ -101,7 +101,42 @@ class FullyShardAdapter(Implementation):
         return views
 
     # -------------------------------------------------------------------------------- state dict
+    # kinds: "dtensor" (``module.state_dict()``: the sharded DTensor parameters themselves),
+    # "dcp-full" / "dcp-sharded" (``torch.distributed.checkpoint.state_dict`` helpers with
+    # ``StateDictOptions(full_state_dict=..., cpu_offload=config.get("cpu_offload", False))``).
     def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
-        if kind == "dtensor" and not config:
+        if kind == "dtensor":
+            if config:
+                raise NotSupported(f"dtensor state dict with {sorted(config)}")
             return module.state_dict()
+        if kind in _DCP_KINDS:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(module, options=_dcp_options(kind, config))
         raise NotSupported(f"{kind} state dict")
+
+    def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", *,
+                        strict: bool = True, **config):
+        if kind == "dtensor":
+            if config:
+                raise NotSupported(f"load dtensor state dict with {sorted(config)}")
+            return module.load_state_dict(state_dict, strict=strict)
+        if kind in _DCP_KINDS:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            return set_model_state_dict(module, state_dict,
+                                        options=_dcp_options(kind, config, strict=strict))
+        raise NotSupported(f"load {kind} state dict")
+
+
+_DCP_KINDS = ("dcp-full", "dcp-sharded")
+
+
+def _dcp_options(kind: str, config: dict, **extra):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    unknown = set(config) - {"cpu_offload"}
+    if unknown:
+        raise NotSupported(f"{kind} state dict option(s) {sorted(unknown)}")
+    return StateDictOptions(full_state_dict=kind == "dcp-full",
+                            cpu_offload=bool(config.get("cpu_offload", False)), **extra)

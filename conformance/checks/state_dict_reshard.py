@@ -1,0 +1,256 @@
+"""Area "state_dict" (continued): checkpoints that change world size or implementation.
+
+[Note: how a world-size-W1 checkpoint reaches a world-size-W2 check]
+The harness runs one world size at a time, so a check at W2 cannot borrow a W1 group. Instead rank
+0 of the W2 group *launches* a separate W1-rank job (plain subprocesses running this module's
+``_save_main`` on a fresh loopback rendezvous) that shards ``Net(salt=0)`` with the same
+implementation and writes its SHARDED state dict with ``torch.distributed.checkpoint.save`` (and, for
+LOCAL, each rank's flat pieces with ``torch.save``) into a directory. Rank 0 broadcasts the
+directory's path (and the job's outcome) to the other ranks, which then ``dcp.load`` it into a
+fresh model at W2. The checkpoint content depends only on (implementation, W1), so it is written
+once per run and reused by every world size: it lives under
+``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (the workers' parent process), and directories of
+drivers that have exited are removed when a new run writes its first checkpoint. This works for
+every (W1, W2) pair, on one node (the ranks must share the file system).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from conformance.adapters import base
+from conformance.adapters.base import NotSupported
+from conformance.checks._sd_models import (
+    NET_PLAN,
+    Net,
+    broadcast_from_rank0,
+    first_error_everywhere,
+)
+from conformance.checks.layout import flat_range
+from conformance.checks.state_dict import AREA, assert_loaded, build, full_kind, plain_reference
+from conformance.registry import check
+
+_PREFIX = "fsdp-conformance-sd-"
+
+
+def sharded_kind(impl) -> str:
+    if base.SHARDED_STATE_DICT in impl.capabilities:
+        return "sharded"
+    if base.DTENSOR_STATE_DICT in impl.capabilities:
+        return "dcp-sharded"
+    raise NotSupported(f"{base.SHARDED_STATE_DICT} or {base.DTENSOR_STATE_DICT}")
+
+
+def _impl_spec(ctx) -> str:
+    """The spec string this process loaded ``ctx.impl`` from (a subprocess loads it again)."""
+    from conformance.runner.execute import _IMPLS
+
+    for spec, impl in _IMPLS.items():
+        if impl is ctx.impl:
+            return spec
+    return ctx.impl.name
+
+
+def _cache_root() -> Path:
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(_PREFIX + "*"):
+        try:
+            os.kill(int(old.name[len(_PREFIX):]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+    return root / f"{_PREFIX}{os.getppid()}"
+
+
+def _produce(ctx, spec: str, w1: int, directory: Path) -> None:
+    """Run a W1-rank job that writes ``Net(0)``'s sharded (and local) state dict to ``directory``."""
+    from conformance.runner.pool import free_port
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "conformance.checks.state_dict_reshard", str(tmp), spec, str(w1),
+         str(rank), str(port), ctx.device.type, ctx.backend],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(w1)]
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=130)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+        outputs.append((proc.returncode, out.decode(errors="replace")[-3000:]))
+    failed = [(r, code, out) for r, (code, out) in enumerate(outputs) if code != 0]
+    if failed:
+        r, code, out = failed[0]
+        raise RuntimeError(f"the world-size-{w1} save job failed on rank {r} (exit {code}):\n{out}")
+    tmp.rename(directory)
+
+
+def checkpoint_dir(ctx, w1: int) -> Path:
+    """The directory holding ``Net(0)`` saved by this implementation at world size ``w1``."""
+    result = None
+    if ctx.rank == 0:
+        try:
+            spec = _impl_spec(ctx)
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+            directory = _cache_root() / f"{safe}-ws{w1}"
+            if not directory.exists():
+                _produce(ctx, spec, w1, directory)
+            result = ("ok", str(directory))
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            result = ("error", f"{type(exc).__name__}: {exc}")
+    status, text = broadcast_from_rank0(ctx, result)
+    if status != "ok":
+        raise AssertionError(f"{ctx.where()} could not write the world-size-{w1} checkpoint: {text}")
+    return Path(text)
+
+
+def _save_main(argv: list[str]) -> None:
+    """Entry point of one rank of the save job (see the module docstring)."""
+    directory, spec, ws, rank, port, device, backend = argv
+    ws, rank = int(ws), int(rank)
+    torch.set_num_threads(1)
+    import torch.distributed.checkpoint as dcp
+
+    from conformance.adapters.registry import load_implementation
+    from conformance.context import CheckContext
+
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        module = torch.get_device_module(dev.type)
+        module.set_device(rank % module.device_count())
+        dev = torch.device(dev.type, module.current_device())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws)
+    try:
+        impl = load_implementation(spec)
+        ctx = CheckContext(rank=rank, world_size=ws, device=dev, backend=backend, impl=impl)
+        model = impl.shard(Net(0).to(dev), ctx, plan=NET_PLAN)
+        dcp.save(impl.state_dict(model, sharded_kind(impl)), checkpoint_id=os.path.join(directory, "dcp"))
+        if base.LOCAL_STATE_DICT in impl.capabilities and ws > 1:
+            pieces = {}
+            for key, value in impl.state_dict(model, "local").items():
+                if hasattr(value, "local_shards"):
+                    shards = value.local_shards()
+                    local = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in shards]
+                    pieces[key] = ("flat", tuple(value.metadata().size), local)
+                else:
+                    pieces[key] = ("plain", None, value.detach().cpu())
+            torch.save(pieces, os.path.join(directory, f"local-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ checks
+@check(area=AREA, cases={f"from-ws{w}": {"w1": w} for w in (1, 2, 3, 4)}, timeout=150)
+def reshard_dcp(ctx, w1):
+    """A sharded checkpoint written with ``torch.distributed.checkpoint.save`` by this
+    implementation at world size W1 loads (``dcp.load`` into this world size's sharded dict, then
+    ``load_state_dict``) at every world size W2, giving the unwrapped model's values."""
+    import torch.distributed.checkpoint as dcp
+
+    kind = sharded_kind(ctx.impl)
+    directory = checkpoint_dir(ctx, w1)
+    dst = build(ctx, salt=1)
+    sd = ctx.impl.state_dict(dst, kind)
+    first_error_everywhere(ctx, lambda: dcp.load(sd, checkpoint_id=str(directory / "dcp")))
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
+    assert_loaded(ctx, dst, plain_reference(Net, 0), f"after loading the world-size-{w1} checkpoint")
+
+
+@check(area=AREA, requires={base.LOCAL_STATE_DICT}, world_sizes=(2,), timeout=150)
+def local_reshard_4_to_2(ctx):
+    """S7 (upstream's 4 -> 2 LOCAL reshard): the flat pieces of a world-size-4 LOCAL state dict,
+    reassembled and re-chunked by the flat rule for 2 ranks (``init_from_local_shards``), load as
+    a LOCAL state dict at world size 2 and give the unwrapped model's values."""
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    directory = checkpoint_dir(ctx, 4)
+    per_rank = [torch.load(directory / f"local-rank{r}.pt", weights_only=False) for r in range(4)]
+    sd = {}
+    for key, (what, size, value) in per_rank[0].items():
+        if what == "plain":
+            sd[key] = value.to(ctx.device)
+            continue
+        full = torch.zeros(size, dtype=torch.float32)
+        for pieces in per_rank:
+            for offsets, tensor in pieces[key][2]:
+                full[offsets[0]: offsets[0] + tensor.numel()] = tensor
+        start, end, _ = flat_range(size[0], ctx.world_size, ctx.rank)
+        shards = []
+        if end > start:
+            meta = ShardMetadata([start], [end - start], f"rank:{ctx.rank}/{ctx.device}")
+            shards.append(Shard(full[start:end].clone().to(ctx.device), meta))
+        sd[key] = init_from_local_shards(shards, size)
+    dst = build(ctx, salt=1)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "local"))
+    assert_loaded(ctx, dst, plain_reference(Net, 0), "after loading the world-size-4 LOCAL pieces")
+
+
+PARTNERS = ("torch-fsdp1", "reference-fsdp1", "torch-fsdp2", "reference", "unwrapped")
+
+
+@check(area=AREA, cases={f"with-{p}": {"partner": p} for p in PARTNERS})
+def interop_full(ctx, partner):
+    """A full state dict (FSDP1 FULL, FSDP2 ``dcp-full``) saved by this implementation loads into
+    the partner implementation (or an unwrapped model, strictly), and the partner's loads into
+    this one: the loaded parameters and buffers equal the saved model's."""
+    from conformance.adapters.registry import ImplementationLoadError, load_implementation
+
+    mine = full_kind(ctx.impl)
+    other = None
+    if partner != "unwrapped":
+        if partner == ctx.impl.name:
+            raise NotSupported("the same implementation (see round_trip)")
+        try:
+            other = load_implementation(partner)
+        except ImplementationLoadError as exc:
+            raise NotSupported(f"partner {partner} unavailable: {str(exc).splitlines()[0]}") from exc
+        theirs = full_kind(other)
+    # this implementation -> partner
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(build(ctx, salt=0), mine))
+    expected = plain_reference(Net, 0)
+    if other is None:
+        plain = Net(1)
+        plain.load_state_dict({k: v.cpu() for k, v in sd.items()})  # strict
+        got = plain_reference_of(plain)
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), f"{ctx.where()} unwrapped model after loading: {k} differs"
+    else:
+        dst = build(ctx, salt=1, impl=other)
+        first_error_everywhere(ctx, lambda: other.load_state_dict(dst, sd, theirs))
+        assert_loaded(ctx, dst, expected, f"{partner} after loading {ctx.impl.name}'s {mine} dict", impl=other)
+    # partner -> this implementation
+    expected = plain_reference(Net, 2)
+    if other is None:
+        sd = {k: v.to(ctx.device) for k, v in Net(2).state_dict().items()}
+    else:
+        sd = first_error_everywhere(ctx, lambda: other.state_dict(build(ctx, salt=2, impl=other), theirs))
+    dst = build(ctx, salt=3)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, mine))
+    assert_loaded(ctx, dst, expected, f"{ctx.impl.name} after loading {partner}'s full dict")
+
+
+def plain_reference_of(model) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+if __name__ == "__main__":
+    _save_main(sys.argv[1:])
