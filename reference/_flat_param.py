@@ -196,8 +196,9 @@ class FlatParamHandle:
         if self._use_orig_params:
             self._use_sharded_views()
         else:
-            self._delete_views()
-        fp.register_post_accumulate_grad_hook(lambda _: self._post_backward())
+            self._use_placeholders()
+        if fp.requires_grad:
+            fp.register_post_accumulate_grad_hook(lambda _: self._post_backward())
         self._views_for_backward: torch.Tensor | None = None  # padded tensor of the last forward
 
     def _gather_factor(self) -> int:
@@ -319,17 +320,21 @@ class FlatParamHandle:
             else:
                 p.grad = grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
 
-    def _delete_views(self) -> None:
-        for module, _, name, _ in self._all_names():
-            module._parameters.pop(name, None)
-            module.__dict__.pop(name, None)
+    def _use_placeholders(self) -> None:
+        """use_orig_params=False between unshards: each original name holds a ``meta`` tensor of
+        the original shape and dtype (no storage). Code that only inspects it (``repr``,
+        ``bias is not None``, ``.shape``) works; reading values needs an unshard, as upstream."""
+        fp = self.flat_param
+        for module, _, name, i in self._all_names():
+            placeholder = torch.empty(fp._shapes[i], dtype=fp.dtype, device="meta")
+            _set_tensor(module, name, placeholder)
 
     def reshard(self) -> None:
         """Back to the sharded state: views removed (or, with use_orig_params, sharded views)."""
         if self._use_orig_params:
             self._use_sharded_views()
         else:
-            self._delete_views()
+            self._use_placeholders()
 
     def pre_backward(self) -> None:
         """Backward of this module starts: put the views of the last forward's gathered tensor back

@@ -54,12 +54,12 @@ def _clamp_strategy(strategy: ShardingStrategy | None, world_size: int) -> Shard
 
 
 def _managed_tensors(
-    module: nn.Module, ignored: set[nn.Module]
+    module: nn.Module, ignored: set[nn.Module], ignored_params: set[nn.Parameter]
 ) -> tuple[list[nn.Parameter], list[tuple[str, nn.Module, str]]]:
     """Managed parameters (unique, first-visit order) and owned buffers of ``module``: everything
-    outside nested FSDP modules and ignored modules."""
+    outside nested FSDP modules and ignored modules, minus ignored parameters."""
     params: list[nn.Parameter] = []
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in ignored_params}
     buffers: list[tuple[str, nn.Module, str]] = []
 
     def visit(mod: nn.Module, prefix: str) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from reference._flat_param import FlatParameter
 from reference.api import ShardingStrategy, StateDictType
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def _expected_entries(root: FullyShardedDataParallel, prefix: str) -> dict[str, 
     for mod_name, fsdp in root.named_modules():
         if not isinstance(fsdp, FSDP):
             continue
-        base = prefix + (_clean(mod_name) + "." if mod_name else "")
+        base = prefix + (_clean(mod_name + ".") if mod_name else "")
         handle = fsdp._handle
         for fqn, owner, name in fsdp._owned_buffers:
             if name not in owner._non_persistent_buffers_set:
@@ -78,12 +79,11 @@ def _expected_entries(root: FullyShardedDataParallel, prefix: str) -> dict[str, 
         for _, module_name, name, index in handle._all_names():
             fqn = _clean(f"{module_name}.{name}" if module_name else name)
             expected[base + fqn] = ("param", tuple(fp._shapes[index]), fsdp)
-    for mod_name, mod in root.named_modules():
-        if mod not in root._ignored_modules:
-            continue
-        base = prefix + (_clean(mod_name) + "." if mod_name else "")
+    # Every other parameter (ignored ones) and every persistent buffer is loaded as it is.
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        base = prefix + (_clean(mod_name + ".") if mod_name else "")
         for name, p in mod._parameters.items():
-            if p is not None and id(p) not in managed_ids:
+            if p is not None and id(p) not in managed_ids and not isinstance(p, FlatParameter):
                 expected[base + name] = ("plain", tuple(p.shape), None)
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:

@@ -87,6 +87,7 @@ class FullyShardedDataParallel(nn.Module):
         _use_orig_params: bool
         _is_root: bool
         _ignored_modules: set[nn.Module]         # every module under an ignored module
+        _ignored_params: set[nn.Parameter]       # their parameters + parameters ignored directly
         _owned_buffers: list[tuple[str, nn.Module, str]]  # (clean fqn, owner module, name)
         _buffer_name_to_orig_dtype: dict[str, torch.dtype]
         _state_dict_type: StateDictType
@@ -149,8 +150,13 @@ class FullyShardedDataParallel(nn.Module):
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
-        ignored = list(ignored_states if ignored_states is not None else ignored_modules or [])
-        self._ignored_modules = {m for top in ignored for m in top.modules()}
+        states = list(ignored_states if ignored_states is not None else ignored_modules or [])
+        self._ignored_modules = {
+            m for top in states if isinstance(top, nn.Module) for m in top.modules()
+        }
+        self._ignored_params = {p for p in states if isinstance(p, nn.Parameter)} | {
+            p for m in self._ignored_modules for p in m.parameters()
+        }
 
         if auto_wrap_policy is not None:
             from reference._wrap_utils import _auto_wrap
@@ -167,20 +173,21 @@ class FullyShardedDataParallel(nn.Module):
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
                 "use_orig_params": use_orig_params,
-                "ignored_states": ignored_states,
+                "ignored_states": self._ignored_params,  # children skip them too
                 "device_mesh": device_mesh,
             }
-            ignored_params = {p for m in self._ignored_modules for p in m.parameters()}
             _auto_wrap(
                 module,
                 auto_wrap_policy,
                 self._ignored_modules,
-                ignored_params,
+                self._ignored_params,
                 root_kwargs,
                 FullyShardedDataParallel,
             )
 
-        params, self._owned_buffers = _managed_tensors(module, self._ignored_modules)
+        params, self._owned_buffers = _managed_tensors(
+            module, self._ignored_modules, self._ignored_params
+        )
         self.compute_device = _compute_device(device_id, params, module)
         for p in params:
             if p.device != self.compute_device:

@@ -163,7 +163,9 @@ def test_handle_shards_and_views_round_trip(shapes, ws, use_orig):
                     expected = expected[:0]
                 assert torch.equal(layer.weight.detach(), expected)
         else:
-            assert all("weight" not in layer._parameters for layer in tree.layers)
+            for layer, shape in zip(tree.layers, shapes):
+                assert "weight" not in layer._parameters  # hidden from parameters()/state_dict
+                assert layer.weight.device.type == "meta" and layer.weight.shape == shape
     unpadded = torch.cat(shards)[: handles[0][1].flat_param._unpadded_unsharded_size.numel()]
     kept = [
         t

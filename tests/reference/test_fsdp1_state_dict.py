@@ -201,6 +201,26 @@ def _check_full_details(rank, ws, ref, RF):
         with RF.state_dict_type(ours, ref.StateDictType.FULL_STATE_DICT, cfg):
             off = ours.state_dict()
     assert all(v.device.type == "cpu" and torch.equal(v, full[k]) for k, v in off.items())
+    for tname, cfg in (
+        ("SHARDED_STATE_DICT", ref.ShardedStateDictConfig(offload_to_cpu=True)),
+        ("LOCAL_STATE_DICT", ref.LocalStateDictConfig(offload_to_cpu=True)),
+    ):
+        with RF.state_dict_type(ours, getattr(ref.StateDictType, tname), cfg):
+            sd = ours.state_dict()
+        assert all(s.tensor.device.type == "cpu" for v in sd.values() for s in v.local_shards())
+    # summon_full_params: writeback=False drops changes, writeback=True keeps them on every rank.
+    with torch.no_grad(), RF.summon_full_params(ours, writeback=False):
+        ours.module[1].weight.fill_(3.0)
+    assert torch.equal(_full_sd(ref, RF, ours)["1.weight"], full["1.weight"])
+    with torch.no_grad(), RF.summon_full_params(ours):
+        ours.module[1].weight.fill_(3.0)
+    assert torch.equal(_full_sd(ref, RF, ours)["1.weight"], torch.full((10, 10), 3.0))
+    try:
+        with RF.summon_full_params(ours, rank0_only=True, writeback=True):
+            raise AssertionError("rank0_only with writeback was accepted")
+    except NotImplementedError as e:
+        assert "writeback=True and rank0_only=True is not supported yet" in str(e)
+    ours.load_state_dict(full)
     # S9: the context restores the previous type. S10: a config of the wrong type raises.
     with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
         pass
