@@ -254,7 +254,8 @@ def _mp(ns, enabled: bool):
 
 
 # --------------------------------------------------------------------------- plan (world size 1)
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API}, cases=ZOO_CASES, world_sizes=(1,))
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API}, cases=ZOO_CASES, world_sizes=(1,),
+       timeout=180)
 def plan_matches_expected(ctx, case):
     """build_wrap_plan lists exactly the expected units in build order, each with the kwargs and
     managed parameters the rules give, and leaves the model untouched."""
@@ -377,7 +378,7 @@ def _fsdp1_managed(unit_fqn: str, unit: nn.Module) -> list[str]:
     return [prefix + f for f in handle.flat_param._fqns]
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, cases=ZOO_CASES)
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, cases=ZOO_CASES, timeout=180)
 def fsdp1_auto_wrap_units(ctx, case):
     """FullyShardedDataParallel(model, auto_wrap_policy=...) builds exactly the expected FSDP
     modules; each flattens exactly its managed parameters and carries the expected mixed
@@ -525,7 +526,7 @@ def fsdp1_enable_wrap_and_wrap(ctx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with W.enable_wrap(wrapper_cls=FSDP, device_id=_device_id(ctx), forward_prefetch=False,
-                           backward_prefetch=ns.BackwardPrefetch.BACKWARD_POST):
+                           limit_all_gathers=False):
             a = W.wrap(nn.Linear(3, 3))
             b = W.wrap(nn.Linear(3, 3), forward_prefetch=True)
             c = W.wrap(overridden, forward_prefetch=True)
@@ -539,8 +540,9 @@ def fsdp1_enable_wrap_and_wrap(ctx):
     for name, m, fp in (("a", a, False), ("b", b, True), ("c", c, False), ("d", d, False)):
         assert isinstance(m, FSDP), f"{ctx.where()} W7 wrap() ({name}) returned {type(m).__name__}"
         assert m.forward_prefetch is fp, f"{ctx.where()} W7 ({name}) forward_prefetch {m.forward_prefetch}, expected {fp}"
-        assert m.backward_prefetch == ns.BackwardPrefetch.BACKWARD_POST, (
-            f"{ctx.where()} W7 ({name}) backward_prefetch {m.backward_prefetch}, expected the context's")
+        assert m.limit_all_gathers is False, (
+            f"{ctx.where()} W7 ({name}) limit_all_gathers {m.limit_all_gathers}, expected the "
+            "context's False (the default is True)")
     after = nn.Linear(3, 3)
     assert W.wrap(after) is after, f"{ctx.where()} wrap() after enable_wrap exited still wraps"
 
@@ -575,7 +577,8 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API, base.TRAINING}, cases=ZOO_CASES)
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API, base.TRAINING}, cases=ZOO_CASES,
+       timeout=180)
 def fsdp2_plan_units_and_parity(ctx, case):
     """Sharding the expected units children-first makes exactly those modules FSDPModules, each
     managing the parameters the rules give (ignored ones stay plain tensors), and 3 SGD steps on
