@@ -382,12 +382,15 @@ def _fsdp1_managed(unit_fqn: str, unit: nn.Module) -> list[str]:
 def fsdp1_auto_wrap_units(ctx, case):
     """FullyShardedDataParallel(model, auto_wrap_policy=...) builds exactly the expected FSDP
     modules; each flattens exactly its managed parameters and carries the expected mixed
-    precision, sharding strategy (NO_SHARD at world size 1) and backward prefetch."""
+    precision, sharding strategy (NO_SHARD at world size 1), backward prefetch and the root's
+    forward_prefetch."""
     c, ns = ZOO[case], ctx.impl.ns
     model = _seeded_model(ctx, c.model)
     ignored_modules, ignored_params, ignored = _ignored(model, c)
     groups, _ = expected_groups(model, c.units, ignored)
-    kwargs = {"device_id": _device_id(ctx), "mixed_precision": _mp(ns, c.mixed_precision)}
+    # forward_prefetch=True (default False): every unit must inherit it from the root kwargs
+    kwargs = {"device_id": _device_id(ctx), "mixed_precision": _mp(ns, c.mixed_precision),
+              "forward_prefetch": True}
     if ignored_modules:
         kwargs["ignored_modules"] = ignored_modules
     if ignored_params:
@@ -407,6 +410,9 @@ def fsdp1_auto_wrap_units(ctx, case):
         want_mp = ns.MixedPrecision() if fqn in c.mp_off else root_mp
         got_mp = unit.mixed_precision or ns.MixedPrecision()  # None: mixed precision disabled
         assert got_mp == want_mp, f"{where} FSDP module {fqn!r} mixed_precision {got_mp}, expected {want_mp}"
+        assert unit.forward_prefetch is True, (
+            f"{where} FSDP module {fqn!r} forward_prefetch {unit.forward_prefetch}, expected the "
+            "root's True")
         overrides = c.overrides.get(fqn, {})
         strategy = ns.ShardingStrategy[overrides.get("sharding_strategy", "FULL_SHARD")]
         if ctx.world_size == 1:
