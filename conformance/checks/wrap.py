@@ -126,6 +126,12 @@ ZOO = {
     # W3 min 40: mlist (60) and mdict (170; 60 left after big) are looked into but never wrapped
     # (excluded containers); big (110) and head (55) are wrapped; each 30-element Linear is not.
     "containers-size40": WrapCase("containers", _size(40), ("mdict.big", "head", "")),
+    # W4 custom force leaves {MultiheadAttention, Linear}, min 40: a force leaf is not looked into
+    # and so never wrapped, however large (big 110, head 55): the root alone.
+    "containers-size40-linear-leaf": WrapCase(
+        "containers", lambda W: functools.partial(
+            W.size_based_auto_wrap_policy, min_num_params=40,
+            force_leaf_modules={nn.MultiheadAttention, nn.Linear}), ("",)),
     # W4 min 40: lin (110) wrapped; attn (440) is a force leaf: not looked into, so its out_proj
     # (110) is not wrapped either, and attn itself is not wrapped.
     "attention-size40": WrapCase("attention", _size(40), ("lin", "")),
