@@ -59,6 +59,7 @@ LEAVES = st.one_of(
     st.tuples(st.just("ln"), st.integers(1, 6)),
     st.tuples(st.just("emb"), st.integers(1, 6), st.integers(1, 4)),
     st.just(("relu",)),
+    st.just(("mha",)),  # a force-leaf module for the size-based policy
 )
 
 
@@ -78,6 +79,7 @@ CLASSES = {
     "Sequential": nn.Sequential,
     "ModuleList": nn.ModuleList,
     "Block": Block,
+    "MultiheadAttention": nn.MultiheadAttention,
 }
 CLASS_SETS = st.frozensets(st.sampled_from(sorted(CLASSES)), min_size=1, max_size=3)
 ANSWERS = st.sampled_from([False, True, {}, {"forward_prefetch": True}])
@@ -104,6 +106,8 @@ def build_model(spec) -> nn.Module:
         return nn.Embedding(spec[1], spec[2])
     if kind == "relu":
         return nn.ReLU()
+    if kind == "mha":
+        return nn.MultiheadAttention(4, 1)  # 80 numel, with a Linear child (out_proj)
     children = [build_model(c) for c in spec[1]]
     if kind == "seq":
         return nn.Sequential(*children)
