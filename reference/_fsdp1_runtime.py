@@ -16,6 +16,7 @@ are the same; only peak memory differs (SHARD_GRAD_OP's profile for every strate
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -165,6 +166,13 @@ def _unshard_fsdp_state_params(
     if handle is None:
         yield
         return
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
+            "being copied to CPU memory by every rank, which risks CPU OOM; prefer "
+            "offload_to_cpu=True with rank0_only=True.",
+            stacklevel=4,
+        )
     if state.training_state != TrainingState.IDLE:
         raise RuntimeError(
             f"Cannot unshard parameters of an FSDP module in state {state.training_state.name}; "

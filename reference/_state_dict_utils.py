@@ -189,10 +189,9 @@ def _unshard_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> 
             if drop:
                 state_dict.pop(key, None)
             elif full:
-                value = state_dict[key]
-                state_dict[key] = value.detach().to("cpu") if offload else value.detach()
-                if state_dict[key].data_ptr() == value.data_ptr():
-                    state_dict[key] = state_dict[key].clone()
+                # A copy, never a view of the gathered tensor (which is freed on exit).
+                value = state_dict[key].detach()
+                state_dict[key] = value.to("cpu", copy=True) if offload else value.clone()
             else:
                 state_dict[key] = _shard_for_save(state, state_dict[key], offload)
         if drop:
@@ -246,7 +245,6 @@ def _shard_for_save(state, full: torch.Tensor, offload: bool) -> Any:
         shards_md.append(ShardMetadata(offsets, list(chunk.size()), placement))
     local_shards = []
     if rank < len(chunks):
-        offsets = [rank * step] + [0] * (full.dim() - 1)
         local_shards = [Shard(local, shards_md[rank])]
     metadata = ShardedTensorMetadata(
         shards_metadata=shards_md,
