@@ -37,6 +37,8 @@ _EXPORTS = {
     "LocalStateDictConfig": "reference.api",
     "MixedPrecision": "reference.api",
     "ShardingStrategy": "reference.api",
+    "BackwardPrefetch": "reference.api",
+    "CPUOffload": "reference.api",
 }
 
 __all__ = sorted(_EXPORTS) + ["wrap"]
