@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
+from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.checks.layout import dim0_rows
 
 
 def small_values(shape, salt: int, index: int = 0, dtype=torch.float32) -> torch.Tensor:
@@ -193,3 +195,127 @@ def broadcast_from_rank0(ctx, obj):
     box = [obj if ctx.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# ------------------------------------------------------------------ kinds and assertions
+AREA = "state_dict"
+KIND_CAPABILITY = {
+    "full": base.FULL_STATE_DICT,
+    "sharded": base.SHARDED_STATE_DICT,
+    "local": base.LOCAL_STATE_DICT,
+    "dtensor": base.DTENSOR_STATE_DICT,
+    "dcp-full": base.DTENSOR_STATE_DICT,
+    "dcp-sharded": base.DTENSOR_STATE_DICT,
+}
+FULL_KINDS = ("full", "dcp-full")
+KIND_CASES = {k: {"kind": k} for k in KIND_CAPABILITY}
+
+
+# ------------------------------------------------------------------------------------- helpers
+def require_kind(ctx, kind: str, impl=None) -> None:
+    impl = impl or ctx.impl
+    if KIND_CAPABILITY[kind] not in impl.capabilities:
+        raise NotSupported(KIND_CAPABILITY[kind])
+
+
+def full_kind(impl) -> str:
+    """The kind that gives an implementation's full (plain-tensor) state dict."""
+    if base.FULL_STATE_DICT in impl.capabilities:
+        return "full"
+    if base.DTENSOR_STATE_DICT in impl.capabilities:
+        return "dcp-full"
+    raise NotSupported(f"{impl.name}: {base.FULL_STATE_DICT} or {base.DTENSOR_STATE_DICT}")
+
+
+def build(ctx, cls=Net, salt: int = 0, plan=NET_PLAN, impl=None, **options):
+    impl = impl or ctx.impl
+    return impl.shard(cls(salt).to(ctx.device), ctx, plan=plan, **options)
+
+
+def is_full_kind(ctx, kind: str) -> bool:
+    """Whether ``kind`` yields plain full tensors here (FSDP1 at world size 1 is NO_SHARD: S8)."""
+    return kind in FULL_KINDS or (
+        ctx.world_size == 1 and kind in ("sharded", "local") and base.FLAT_PARAM in ctx.impl.capabilities)
+
+
+def _sharded_types():
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    return ShardedTensor, DTensor
+
+
+def assert_clean_keys(ctx, sd: dict) -> None:
+    for key in sd:
+        assert "_fsdp_wrapped_module" not in key and "_checkpoint_wrapped_module" not in key, (
+            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix")
+
+
+def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: bool = True) -> None:
+    """``got`` holds ``exp``: as a plain tensor when ``full``, else as this rank's dim-0 chunk
+    (ShardedTensor or DTensor, rows ``[r*ceil(d0/ws), ...)``)."""
+    ShardedTensor, DTensor = _sharded_types()
+
+    def same(a, b, what):
+        a = a.detach().cpu()
+        ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert ok, f"{ctx.where()} {name}: {what} {a.reshape(-1)[:6].tolist()} != expected {b.reshape(-1)[:6].tolist()}"
+
+    if full:
+        assert type(got) is torch.Tensor or (isinstance(got, torch.Tensor) and not isinstance(
+            got, (ShardedTensor, DTensor))), f"{ctx.where()} {name}: {type(got).__name__}, expected a plain tensor"
+        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: shape {tuple(got.shape)} != {tuple(exp.shape)}"
+        assert got.dtype == exp.dtype, f"{ctx.where()} {name}: dtype {got.dtype} != {exp.dtype}"
+        same(got, exp, "value")
+        return
+    start, end = dim0_rows(exp.shape[0], ctx.world_size, ctx.rank) if exp.dim() else (0, 1)
+    if isinstance(got, ShardedTensor):
+        size = tuple(got.metadata().size)
+        assert size == tuple(exp.shape), f"{ctx.where()} {name}: ShardedTensor size {size} != {tuple(exp.shape)}"
+        shards = got.local_shards()
+        if end == start:
+            assert not shards or all(s.tensor.numel() == 0 for s in shards), (
+                f"{ctx.where()} {name} {tuple(exp.shape)}: expected no local shard past the last chunk, "
+                f"got {[tuple(s.tensor.shape) for s in shards]}")
+            return
+        assert len(shards) == 1, f"{ctx.where()} {name}: {len(shards)} local shards, expected 1"
+        offsets = list(shards[0].metadata.shard_offsets)
+        want = [start] + [0] * (exp.dim() - 1)
+        assert offsets == want, f"{ctx.where()} {name}: shard offsets {offsets}, expected {want}"
+        local = shards[0].tensor
+    elif isinstance(got, DTensor):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: DTensor size {tuple(got.shape)}"
+        assert tuple(got.placements) == (Shard(0),), f"{ctx.where()} {name}: placements {got.placements}"
+        local = got.to_local()
+        if end > start:
+            _, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
+            assert offset[0] == start, f"{ctx.where()} {name}: DTensor local offset {offset[0]}, expected {start}"
+    else:
+        raise AssertionError(f"{ctx.where()} {name}: {type(got).__name__}, expected a ShardedTensor or DTensor")
+    want_shape = (end - start, *exp.shape[1:])
+    assert tuple(local.shape) == want_shape, (
+        f"{ctx.where()} {name} {tuple(exp.shape)}: local shard shape {tuple(local.shape)}, expected "
+        f"{want_shape} (rows {start}:{end})")
+    same(local, exp[start:end], f"local rows {start}:{end}")
+
+
+def assert_loaded(ctx, model, expected: dict, what: str, impl=None) -> None:
+    """``model``'s full parameters and its buffers equal ``expected`` (a plain state dict)."""
+    got = full_params(ctx, model, impl)
+    for fqn, value in got.items():
+        assert fqn in expected, f"{ctx.where()} {what}: parameter {fqn} not in the saved model"
+        assert torch.equal(value, expected[fqn]), (
+            f"{ctx.where()} {what}: {fqn} is {value.reshape(-1)[:4].tolist()}, expected the saved "
+            f"{expected[fqn].reshape(-1)[:4].tolist()}")
+    for name, buf in model.named_buffers():
+        name = clean_fqn(name)
+        if name in expected:
+            assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
+                f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected {expected[name].tolist()}")
+
+
+def plain_reference(cls=Net, salt: int = 0) -> dict:
+    return expected_state_dict(cls(salt))

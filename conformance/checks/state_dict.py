@@ -15,7 +15,9 @@ Every kind: persistent buffers under clean names, non-persistent buffers never, 
 (a fresh model with other values ends up with the saved values). Expected values come from an
 unwrapped copy of the model (trained on the global batch where the check trains), never from the
 implementation under test. At world size 1 FSDP1 clamps to NO_SHARD and every kind is FULL (S8).
-Resharding and cross-implementation loads live in ``state_dict_reshard.py``.
+Resharding and cross-implementation loads live in ``state_dict_reshard.py``; models and the
+kind-aware assertions in ``_sd_models.py``. FSDP2's own aliasing / reshard-before-save / assign
+rules (P8, P9) are the ``fsdp2_state_dict`` area's.
 """
 
 from __future__ import annotations
@@ -28,140 +30,27 @@ from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
 from conformance.checks._sd_models import (
     AC_PLAN,
+    AREA,
+    KIND_CASES,
     NET_PLAN,
     CheckpointedNet,
     Net,
     TiedNet,
+    assert_clean_keys,
+    assert_entry,
+    assert_loaded,
     broadcast_from_rank0,
+    build,
     expected_state_dict,
     first_error_everywhere,
     full_params,
+    is_full_kind,
+    plain_reference,
+    require_kind,
     train,
 )
-from conformance.checks.layout import dim0_rows, flat_range
+from conformance.checks.layout import flat_range
 from conformance.registry import check
-
-AREA = "state_dict"
-KIND_CAPABILITY = {
-    "full": base.FULL_STATE_DICT,
-    "sharded": base.SHARDED_STATE_DICT,
-    "local": base.LOCAL_STATE_DICT,
-    "dtensor": base.DTENSOR_STATE_DICT,
-    "dcp-full": base.DTENSOR_STATE_DICT,
-    "dcp-sharded": base.DTENSOR_STATE_DICT,
-}
-FULL_KINDS = ("full", "dcp-full")
-KIND_CASES = {k: {"kind": k} for k in KIND_CAPABILITY}
-
-
-# ------------------------------------------------------------------------------------- helpers
-def require_kind(ctx, kind: str, impl=None) -> None:
-    impl = impl or ctx.impl
-    if KIND_CAPABILITY[kind] not in impl.capabilities:
-        raise NotSupported(KIND_CAPABILITY[kind])
-
-
-def full_kind(impl) -> str:
-    """The kind that gives an implementation's full (plain-tensor) state dict."""
-    if base.FULL_STATE_DICT in impl.capabilities:
-        return "full"
-    if base.DTENSOR_STATE_DICT in impl.capabilities:
-        return "dcp-full"
-    raise NotSupported(f"{impl.name}: {base.FULL_STATE_DICT} or {base.DTENSOR_STATE_DICT}")
-
-
-def build(ctx, cls=Net, salt: int = 0, plan=NET_PLAN, impl=None, **options):
-    impl = impl or ctx.impl
-    return impl.shard(cls(salt).to(ctx.device), ctx, plan=plan, **options)
-
-
-def is_full_kind(ctx, kind: str) -> bool:
-    """Whether ``kind`` yields plain full tensors here (FSDP1 at world size 1 is NO_SHARD: S8)."""
-    return kind in FULL_KINDS or (
-        ctx.world_size == 1 and kind in ("sharded", "local") and base.FLAT_PARAM in ctx.impl.capabilities)
-
-
-def _sharded_types():
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    return ShardedTensor, DTensor
-
-
-def assert_clean_keys(ctx, sd: dict) -> None:
-    for key in sd:
-        assert "_fsdp_wrapped_module" not in key and "_checkpoint_wrapped_module" not in key, (
-            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix")
-
-
-def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: bool = True) -> None:
-    """``got`` holds ``exp``: as a plain tensor when ``full``, else as this rank's dim-0 chunk
-    (ShardedTensor or DTensor, rows ``[r*ceil(d0/ws), ...)``)."""
-    ShardedTensor, DTensor = _sharded_types()
-
-    def same(a, b, what):
-        a = a.detach().cpu()
-        ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-        assert ok, f"{ctx.where()} {name}: {what} {a.reshape(-1)[:6].tolist()} != expected {b.reshape(-1)[:6].tolist()}"
-
-    if full:
-        assert type(got) is torch.Tensor or (isinstance(got, torch.Tensor) and not isinstance(
-            got, (ShardedTensor, DTensor))), f"{ctx.where()} {name}: {type(got).__name__}, expected a plain tensor"
-        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: shape {tuple(got.shape)} != {tuple(exp.shape)}"
-        assert got.dtype == exp.dtype, f"{ctx.where()} {name}: dtype {got.dtype} != {exp.dtype}"
-        same(got, exp, "value")
-        return
-    start, end = dim0_rows(exp.shape[0], ctx.world_size, ctx.rank) if exp.dim() else (0, 1)
-    if isinstance(got, ShardedTensor):
-        size = tuple(got.metadata().size)
-        assert size == tuple(exp.shape), f"{ctx.where()} {name}: ShardedTensor size {size} != {tuple(exp.shape)}"
-        shards = got.local_shards()
-        if end == start:
-            assert not shards or all(s.tensor.numel() == 0 for s in shards), (
-                f"{ctx.where()} {name} {tuple(exp.shape)}: expected no local shard past the last chunk, "
-                f"got {[tuple(s.tensor.shape) for s in shards]}")
-            return
-        assert len(shards) == 1, f"{ctx.where()} {name}: {len(shards)} local shards, expected 1"
-        offsets = list(shards[0].metadata.shard_offsets)
-        want = [start] + [0] * (exp.dim() - 1)
-        assert offsets == want, f"{ctx.where()} {name}: shard offsets {offsets}, expected {want}"
-        local = shards[0].tensor
-    elif isinstance(got, DTensor):
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: DTensor size {tuple(got.shape)}"
-        assert tuple(got.placements) == (Shard(0),), f"{ctx.where()} {name}: placements {got.placements}"
-        local = got.to_local()
-        if end > start:
-            _, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
-            assert offset[0] == start, f"{ctx.where()} {name}: DTensor local offset {offset[0]}, expected {start}"
-    else:
-        raise AssertionError(f"{ctx.where()} {name}: {type(got).__name__}, expected a ShardedTensor or DTensor")
-    want_shape = (end - start, *exp.shape[1:])
-    assert tuple(local.shape) == want_shape, (
-        f"{ctx.where()} {name} {tuple(exp.shape)}: local shard shape {tuple(local.shape)}, expected "
-        f"{want_shape} (rows {start}:{end})")
-    same(local, exp[start:end], f"local rows {start}:{end}")
-
-
-def assert_loaded(ctx, model, expected: dict, what: str, impl=None) -> None:
-    """``model``'s full parameters and its buffers equal ``expected`` (a plain state dict)."""
-    got = full_params(ctx, model, impl)
-    for fqn, value in got.items():
-        assert fqn in expected, f"{ctx.where()} {what}: parameter {fqn} not in the saved model"
-        assert torch.equal(value, expected[fqn]), (
-            f"{ctx.where()} {what}: {fqn} is {value.reshape(-1)[:4].tolist()}, expected the saved "
-            f"{expected[fqn].reshape(-1)[:4].tolist()}")
-    for name, buf in model.named_buffers():
-        name = clean_fqn(name)
-        if name in expected:
-            assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
-                f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected {expected[name].tolist()}")
-
-
-def plain_reference(cls=Net, salt: int = 0) -> dict:
-    return expected_state_dict(cls(salt))
 
 
 # ---------------------------------------------------------------------------------------- keys
@@ -560,30 +449,3 @@ def bad_input(ctx, kind, bad):
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     changed += sorted(n for n, b in dst.named_buffers() if not torch.equal(b.detach().cpu(), buffers_before[n]))
     assert not changed, f"{ctx.where()} the failed {kind} load ({bad}) changed {changed}"
-
-
-# ---------------------------------------------------------------------------------- FSDP2 style
-@check(area=AREA, requires={base.DTENSOR_STATE_DICT, base.RESHARD_AFTER_FORWARD})
-def dtensor_state_dict(ctx):
-    """P8: ``module.state_dict()`` values are the sharded DTensor parameters themselves (no copy);
-    after a ``reshard_after_forward=False`` forward it still returns the same sharded DTensors and
-    leaves DTensor parameters registered; loading plain tensors raises."""
-    from torch.distributed.tensor import DTensor
-
-    model = build(ctx, reshard_after_forward=False)
-    sd = ctx.impl.state_dict(model, "dtensor")
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        got = sd[name]
-        assert isinstance(got, DTensor), f"{ctx.where()} {name}: {type(got).__name__}, expected a DTensor"
-        if param.to_local().numel():
-            assert got.to_local().data_ptr() == param.to_local().data_ptr(), (
-                f"{ctx.where()} {name}: the state-dict DTensor is a copy, expected the parameter itself")
-    before = {n: v.full_tensor().cpu() for n, v in sd.items() if isinstance(v, DTensor)}
-    model(torch.ones(2, 4, device=ctx.device))
-    sd2 = ctx.impl.state_dict(model, "dtensor")
-    for name, value in before.items():
-        assert isinstance(sd2[name], DTensor), f"{ctx.where()} {name} after a raf=False forward: {type(sd2[name]).__name__}"
-        assert torch.equal(sd2[name].full_tensor().cpu(), value), f"{ctx.where()} {name} changed across the forward"
-    for name, param in model.named_parameters():
-        assert isinstance(param, DTensor), f"{ctx.where()} {name} is not a DTensor after state_dict()"

@@ -29,13 +29,17 @@ import torch.distributed as dist
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
 from conformance.checks._sd_models import (
+    AREA,
     NET_PLAN,
     Net,
+    assert_loaded,
     broadcast_from_rank0,
+    build,
     first_error_everywhere,
+    full_kind,
+    plain_reference,
 )
 from conformance.checks.layout import flat_range
-from conformance.checks.state_dict import AREA, assert_loaded, build, full_kind, plain_reference
 from conformance.registry import check
 
 _PREFIX = "fsdp-conformance-sd-"
@@ -89,7 +93,7 @@ def _produce(ctx, spec: str, w1: int, directory: Path) -> None:
     outputs = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=130)
+            out, _ = proc.communicate(timeout=100)  # < the group timeout (120 s)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
