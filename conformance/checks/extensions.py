@@ -1,0 +1,117 @@
+"""Area "extensions": parameters whose local shard defines ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` are all-gathered through those hooks (P14).
+
+[Note: the protocol]
+* FSDP calls the pre hook on the rank's *local* shard: with one argument ``(mesh)`` (legacy) or five
+  ``(mesh, outer_size, outer_stride, module, mp_policy)``; ``mesh`` is the 1-D shard mesh,
+  ``outer_size``/``outer_stride`` the parameter's global size and stride, ``module`` the module
+  that owns the parameter. It returns ``(all_gather_inputs, metadata)``; for an uneven dim 0 each
+  input must already have the padded shard size (``ceil(d0/ws)`` rows).
+* FSDP all-gathers every input (each one is the ranks' inputs concatenated in rank order) and calls
+  the post hook with ``(outputs, metadata, param_dtype)``: the first time with ``out=None`` (it
+  returns ``(unsharded, tensors_to_free)``), every later time with ``out=`` the unsharded parameter
+  built from that first result, whose storage the new all-gather refilled.
+* The module computes with the unsharded tensor, so its forward equals the unsharded model's.
+The subclass (``_subclasses.PairTensor``) carries two tensors ``a`` (values) and ``b == -a``, so the
+check sees both gathered inputs; expected values are the original tensor and its negation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks import _subclasses
+from conformance.checks._models import distinct_values
+from conformance.checks._subclasses import Pair1, Pair5, Single5
+from conformance.registry import check
+
+
+class PairLinear(nn.Module):
+    """A bias-free Linear whose weight (rows, 3) is a Pair tensor; records the weight it computes
+    with."""
+
+    def __init__(self, rows: int, cls, salt: int = 0):
+        super().__init__()
+        values = distinct_values((rows, 3), salt) / 100.0
+        self.weight = nn.Parameter(cls(values.clone(), -values.clone()))
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(self.weight)
+        return F.linear(x, self.weight)
+
+
+CASES = {
+    "pre1-even": {"cls": Pair1, "uneven": False},
+    "pre5-even": {"cls": Pair5, "uneven": False},
+    "pre5-uneven": {"cls": Pair5, "uneven": True},
+    "pre5-uneven-one-input": {"cls": Single5, "uneven": True},
+}
+
+
+def _rows(ctx, uneven):
+    return 2 * ctx.world_size + (1 if uneven else 0)
+
+
+@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API},
+       cases={k: {"name": k} for k in CASES})
+def all_gather_through_hooks(ctx, name):
+    """Both gathered inputs equal the original (and its negation) in full, trimmed to the global size;
+    the pre hook gets the shard mesh (and, with 5 arguments, the global size/stride and the owning
+    module); a later all-gather passes ``out=`` the unsharded parameter of the first; forward uses
+    the unsharded values."""
+    spec = CASES[name]
+    rows = _rows(ctx, spec["uneven"])
+    module = PairLinear(rows, spec["cls"]).to(ctx.device)
+    original = distinct_values((rows, 3), 0) / 100.0
+    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=True)
+    x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
+    expected_out = x.cpu() @ original.T
+    _subclasses.LOG.clear()
+    outs = []
+    try:
+        for _ in range(2):
+            with torch.no_grad():
+                outs.append(module(x).cpu())
+        log = list(_subclasses.LOG)
+    finally:
+        _subclasses.LOG.clear()
+    pre = [e for e in log if e["hook"].startswith("pre")]
+    post = [e for e in log if e["hook"] == "post"]
+    assert len(pre) == 2 and len(post) == 2, (
+        f"{ctx.where()} {name}: hooks called {[e['hook'] for e in log]} over two forwards "
+        f"(reshard_after_forward=True), expected pre and post once per forward")
+    for entry in pre:
+        mesh = entry["mesh"]
+        assert mesh.ndim == 1 and mesh.size() == ctx.world_size, (
+            f"{ctx.where()} {name}: pre hook got mesh {mesh}, expected the 1-D shard mesh of {ctx.world_size}")
+        chunk = math.ceil(rows / ctx.world_size)
+        start, end = min(ctx.rank * chunk, rows), min((ctx.rank + 1) * chunk, rows)
+        assert entry["local_shape"] == (end - start, 3), (
+            f"{ctx.where()} {name}: pre hook ran on a local shard of shape {entry['local_shape']}, "
+            f"expected {(end - start, 3)}")
+        if entry["hook"] == "pre5":
+            assert entry["outer_size"] == (rows, 3) and entry["outer_stride"] == (3, 1), (
+                f"{ctx.where()} {name}: pre hook outer size/stride {entry['outer_size']}/"
+                f"{entry['outer_stride']}, expected {(rows, 3)}/(3, 1)")
+            assert entry["module"] is module, f"{ctx.where()} {name}: pre hook module is not the owner"
+    for i, entry in enumerate(post):
+        assert torch.equal(entry["a"].cpu(), original), (
+            f"{ctx.where()} {name}: all-gather {i}: gathered values differ from the original")
+        assert entry["b"] is None or torch.equal(entry["b"].cpu(), -original), (
+            f"{ctx.where()} {name}: all-gather {i}: the second gathered input differs from -original")
+    assert post[0]["out"] is None, f"{ctx.where()} {name}: first post hook call got out={post[0]['out']!r}"
+    assert post[1]["out"] is not None, f"{ctx.where()} {name}: second post hook call got out=None"
+    assert post[1]["out"] is module.seen[0], (
+        f"{ctx.where()} {name}: second post hook call got out= something other than the unsharded "
+        f"parameter of the first forward")
+    assert module.seen[1] is module.seen[0], (
+        f"{ctx.where()} {name}: the second forward computed with a new unsharded parameter")
+    for i, out in enumerate(outs):
+        assert torch.allclose(out, expected_out, rtol=1e-6, atol=1e-7), (
+            f"{ctx.where()} {name}: forward {i} output differs from the unsharded model's")
