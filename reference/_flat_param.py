@@ -125,11 +125,13 @@ class FlatParamHandle:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         keep_low_precision_grads: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.process_group = process_group
         self.rank = process_group.rank()  # group-local rank
         self.world_size = process_group.size()
         self.uses_sharded_strategy = sharded
+        self._reshard_after_forward = sharded and reshard_after_forward
         self._use_orig_params = use_orig_params
         self._fully_sharded_module = fully_sharded_module
         self._orig_param_dtype = params[0].dtype
@@ -199,7 +201,10 @@ class FlatParamHandle:
             self._use_placeholders()
         if fp.requires_grad:
             fp.register_post_accumulate_grad_hook(lambda _: self._post_backward())
-        self._views_for_backward: torch.Tensor | None = None  # padded tensor of the last forward
+        # Gathered tensors of forwards whose backward has not run yet (their storage is freed
+        # under FULL_SHARD; the tensor objects stay: they are autograd outputs that recomputed
+        # modules must connect to).
+        self._gathered_for_backward: list[torch.Tensor] = []
 
     def _gather_factor(self) -> int:
         return self.world_size if self.uses_sharded_strategy else 1
@@ -336,17 +341,34 @@ class FlatParamHandle:
         else:
             self._use_placeholders()
 
+    def post_forward(self, padded: torch.Tensor) -> None:
+        """Forward with autograd is done: remember ``padded`` for backward and, when resharding
+        after forward (FULL_SHARD), free its storage. Autograd's saved views keep pointing at that
+        storage; :meth:`pre_backward` refills it in place."""
+        self._gathered_for_backward.append(padded)
+        if self._reshard_after_forward:
+            padded.untyped_storage().resize_(0)
+
+    @torch.no_grad()
     def pre_backward(self) -> None:
-        """Backward of this module starts: put the views of the last forward's gathered tensor back
-        (modules recomputed by activation checkpointing read them)."""
-        if self._views_for_backward is not None:
-            self.use_unsharded_views(self._views_for_backward, as_params=False)
+        """Backward of this module starts: all-gather again into every freed gathered tensor and
+        put the views back (modules recomputed by activation checkpointing read them)."""
+        live = self._gathered_for_backward
+        for padded in live:
+            nbytes = padded.numel() * padded.element_size()
+            if padded.untyped_storage().size() < nbytes:
+                padded.untyped_storage().resize_(nbytes)
+                # `.data` has its own version counter: refilling is not an in-place op for autograd.
+                local = self.flat_param.detach().to(self._compute_dtype).contiguous()
+                dist.all_gather_single(padded.data, local, group=self.process_group)
+        if live:
+            self.use_unsharded_views(live[-1], as_params=False)
 
     def _post_backward(self) -> None:
-        """The gradient reached the flat parameter: drop the gathered tensor, reshard, and (with
+        """The gradient reached the flat parameter: drop the gathered tensors, reshard, and (with
         use_orig_params) point each original ``.grad`` at its part of the flat gradient."""
-        if self._views_for_backward is not None:
-            self._views_for_backward = None
+        if self._gathered_for_backward:
+            self._gathered_for_backward.clear()
             self.reshard()
         if self._use_orig_params:
             self._use_sharded_grad_views()

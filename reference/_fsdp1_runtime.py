@@ -6,11 +6,14 @@
   ``SUMMON_FULL_PARAMS`` inside :func:`_unshard_fsdp_state_params`: every original name is an
                          ``nn.Parameter`` with its full shape, a view into the gathered flat tensor.
 
-[Note: what the reference leaves out of the runtime]  Upstream frees the gathered parameters after
-forward (FULL_SHARD) and gathers them again before backward, prefetches, and runs collectives on
-side streams. Here the gathered tensor is an autograd value: it stays alive until backward, where
-the reduce-scatter runs as its gradient. Values, dtypes and the gradient on the flat parameter
-are the same; only peak memory differs (SHARD_GRAD_OP's profile for every strategy).
+[Note: forward and backward]  The all-gather and the reduce-scatter form one autograd function
+(``_flat_param._UnshardForCompute``): forward gathers the padded flat tensor, the module runs on
+views of it, and the gradient of that tensor is reduce-scattered (averaged) onto the sharded flat
+parameter. After forward the original names are resharded; under FULL_SHARD the gathered
+storage is freed too. When the first gradient reaches an output of the module (pre-backward), the
+storage is gathered again in place and the views come back; when the flat parameter's gradient
+is accumulated (post-backward), they go away. SHARD_GRAD_OP keeps the gathered storage from
+forward to backward. Left out: prefetching and side streams (overlap only).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _forward(state: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> Any:
         handle.reshard()
         state.training_state = TrainingState.IDLE
     if torch.is_grad_enabled() and handle.flat_param.requires_grad:
-        handle._views_for_backward = padded
+        handle.post_forward(padded)
         _register_pre_backward_hooks(handle, output)
     return output
 
@@ -140,12 +143,13 @@ def _validate_unshard_params_args(
 
 
 def _hide_flat_param(state: FullyShardedDataParallel) -> None:
-    state._fsdp_wrapped_module._parameters.pop(FLAT_PARAM, None)
+    if state._handle is not None:
+        state._handle._fully_sharded_module._parameters.pop(FLAT_PARAM, None)
 
 
 def _show_flat_param(state: FullyShardedDataParallel) -> None:
     if state._handle is not None and not state._use_orig_params:
-        state._fsdp_wrapped_module._parameters[FLAT_PARAM] = state._handle.flat_param
+        state._handle._fully_sharded_module._parameters[FLAT_PARAM] = state._handle.flat_param
 
 
 @contextlib.contextmanager

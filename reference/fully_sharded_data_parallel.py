@@ -215,6 +215,7 @@ class FullyShardedDataParallel(nn.Module):
                 param_dtype=mp.param_dtype,
                 reduce_dtype=mp.reduce_dtype,
                 keep_low_precision_grads=mp.keep_low_precision_grads,
+                reshard_after_forward=self.sharding_strategy == ShardingStrategy.FULL_SHARD,
             )
             if not use_orig_params:
                 module._parameters["_flat_param"] = self._handle.flat_param

@@ -644,6 +644,51 @@ def test_auto_wrap_checkpoint_wrapper_shared_params(two_rank_results):
     _check_section(two_rank_results, "wrap_ckpt_shared")
 
 
+# -- body 6: sharding strategies and activation checkpointing in training ------------------------
+
+
+def _body_strategies(rank, ws):
+    """FULL_SHARD frees the gathered storage after forward and gathers again for backward;
+    SHARD_GRAD_OP keeps it. Both, with and without activation checkpointing applied after
+    wrapping, train to the same parameters as torch FSDP1 (``inner`` runs twice per forward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    (ref, RF), (tfsdp, TF) = _impls()
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        for checkpoint in (False, True):
+            where = f"rank {rank} {strategy} checkpoint={checkpoint}"
+            trained = []
+            for api, fsdp in ((ref, RF), (tfsdp, TF)):
+                model, in_shape = _model(
+                    fsdp, 12, sharding_strategy=getattr(api.ShardingStrategy, strategy)
+                )
+                if checkpoint:
+                    apply_activation_checkpointing(
+                        model, check_fn=lambda m: isinstance(m, nn.Linear)
+                    )
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for step in range(2):
+                    torch.manual_seed(300 + 10 * rank + step)
+                    out = model(torch.randn(in_shape))
+                    if fsdp is RF:
+                        gathered = [
+                            t
+                            for m in RF.fsdp_modules(model)
+                            for t in m._handle._gathered_for_backward
+                        ]
+                        freed = [t.untyped_storage().size() == 0 for t in gathered]
+                        assert len(gathered) == 3, where  # inner twice, root once
+                        assert all(freed) == (strategy == "FULL_SHARD") == any(freed), where
+                    out.sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                trained.append(model.state_dict())
+            _assert_same_sd(trained[0], trained[1], where)
+            assert not any("_checkpoint_wrapped_module" in k for k in trained[0]), where
+
+
 # -- one spawn for every two-rank section; one test per section ---------------------------------
 
 _SECTIONS = {
@@ -652,6 +697,7 @@ _SECTIONS = {
     "bad_input": _body_bad_input,
     "world_size_one": _body_world_size_one,
     "wrap_ckpt_shared": _body_wrap_ckpt_shared,
+    "strategies": _body_strategies,
 }
 
 
@@ -692,3 +738,7 @@ def test_bad_input_device_mesh_no_shard(two_rank_results):
 
 def test_world_size_one_runs_no_shard(two_rank_results):
     _check_section(two_rank_results, "world_size_one")
+
+
+def test_sharding_strategies_and_checkpointing_train_like_torch(two_rank_results):
+    _check_section(two_rank_results, "strategies")
