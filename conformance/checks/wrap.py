@@ -22,7 +22,7 @@ The expected units of each zoo case below are written out by hand from these rul
 next to each says how); only the parameter FQNs per unit are computed, by the "managed" rule,
 from the unwrapped model. Three checks apply them:
   * ``plan_matches_expected`` — the implementation's side-effect-free plan builder
-    (``reference._wrap_plan.build_wrap_plan``), world size 1;
+    (``reference.wrap.build_wrap_plan``), world size 1;
   * ``fsdp1_auto_wrap_units`` — ``ns.FullyShardedDataParallel(model, auto_wrap_policy=...)``:
     the FSDP module names, their managed parameters and kwargs (mixed precision, sharding strategy,
     backward prefetch) read off the wrapped modules;
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import warnings
 from dataclasses import dataclass, field
 
@@ -244,14 +243,11 @@ def _seeded_model(ctx, name: str) -> nn.Module:
 
 
 def _plan_builder(ctx):
-    """The implementation's side-effect-free plan builder: ``ns.wrap.build_wrap_plan``, else
-    ``<ns>._wrap_plan.build_wrap_plan`` (where the reference keeps it)."""
+    """The implementation's side-effect-free plan builder, ``ns.wrap.build_wrap_plan`` (the
+    reference's; upstream torch has none)."""
     fn = getattr(ctx.impl.ns.wrap, "build_wrap_plan", None)
     if fn is None:
-        try:
-            fn = importlib.import_module(ctx.impl.ns.__name__ + "._wrap_plan").build_wrap_plan
-        except (ImportError, AttributeError):
-            raise NotSupported("a wrap plan builder (build_wrap_plan)") from None
+        raise NotSupported("a wrap plan builder (ns.wrap.build_wrap_plan)")
     return fn
 
 
