@@ -139,6 +139,18 @@ ZOO = {
     "transformer-layers": WrapCase(
         "transformer", _modules("TransformerEncoderLayer", "TransformerDecoderLayer"),
         ("encoder.0", "encoder.1", "decoder.0", "decoder.1", ""), is_policy_class=True),
+    # W9 the same layers through the callable transformer_auto_wrap_policy (no auto_wrap_policy
+    # key in the children's kwargs on this path).
+    "transformer-layers-callable": WrapCase(
+        "transformer", lambda W: functools.partial(
+            W.transformer_auto_wrap_policy,
+            transformer_layer_cls={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}),
+        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", "")),
+    # W9 lambda_auto_wrap_policy wraps exactly the modules its function accepts (the Linears).
+    "norm-lambda": WrapCase(
+        "norm", lambda W: functools.partial(
+            W.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)),
+        ("lin1", "lin2", "")),
     # W10 non-uniform CustomPolicy + root fp16: bn NO_SHARD with MP off (W11), encoder layers
     # FULL_SHARD/BACKWARD_PRE, decoder layers SHARD_GRAD_OP/BACKWARD_POST.
     "transformer-custom-mp": WrapCase(
