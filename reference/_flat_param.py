@@ -17,6 +17,9 @@
   views                each original parameter is ``unsharded[offset : offset+numel].view(shape)``.
                        With ``use_orig_params=True`` the *sharded* views (the part of each
                        parameter inside this rank's shard, 1-D) are exposed between unshards.
+  placeholders         with ``use_orig_params=False`` the original names hold ``meta`` tensors of
+                       the original shapes between unshards (upstream leaves views into freed
+                       storage there): inspecting works, reading values needs an unshard.
 
 [Note: alignment padding]  With ``use_orig_params=True`` every original parameter starts at a
 multiple of ``16 bytes / itemsize`` elements; zero padding entries are inserted before a parameter
@@ -70,6 +73,9 @@ FLAT_PARAM = "_flat_param"
 
 class FlatParameter(nn.Parameter):
     """The sharded flat parameter (always this rank's shard, shape ``(C,)``; ``(N,)`` for NO_SHARD).
+
+    Unlike upstream, whose ``.data`` switches to the unsharded tensor while unsharded, the reference
+    never swaps it: the gathered tensor is a separate value and only the views point into it.
 
     Metadata attributes (names as upstream's ``FlatParameter``)::
 
@@ -162,15 +168,21 @@ class FlatParamHandle:
                     f"FSDP cannot flatten the scalar (0-dim) parameter {_fqn(info)}; "
                     "give it shape (1,) or put its module in ignored_modules"
                 )
+            if p.dtype != ordered[0].dtype or p.device != ordered[0].device:
+                raise ValueError(
+                    f"FSDP flattens parameters of one dtype and device, but {_fqn(infos[0])} is "
+                    f"{ordered[0].dtype} on {ordered[0].device} and {_fqn(info)} is {p.dtype} on "
+                    f"{p.device}; cast the module first or wrap these modules separately"
+                )
         align = aligned_numel(self._compute_dtype) if self._use_orig_params else 0
         numels = [p.numel() for p in ordered]
         segments, mask = flat_layout(numels, self.world_size, align)
         device, dtype = ordered[0].device, ordered[0].dtype
-        pieces, it = [], iter(ordered)
-        for seg, is_padding in zip(segments, mask):
-            pieces.append(torch.zeros(seg, dtype=dtype, device=device) if is_padding else None)
-            if not is_padding:
-                pieces[-1] = next(it).detach().reshape(-1)
+        it = iter(ordered)
+        pieces = [
+            torch.zeros(seg, dtype=dtype, device=device) if pad else next(it).detach().reshape(-1)
+            for seg, pad in zip(segments, mask)
+        ]
         flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
         total = flat.numel()
         if self.uses_sharded_strategy:

@@ -158,6 +158,14 @@ class FullyShardedDataParallel(nn.Module):
             p for m in self._ignored_modules for p in m.parameters()
         }
 
+        # Reject what the flat parameter cannot hold before anything is wrapped or moved.
+        for name, p in module.named_parameters():
+            if p.dim() == 0 and p not in self._ignored_params:
+                raise ValueError(
+                    f"FSDP cannot flatten the scalar (0-dim) parameter {_clean(name)}; "
+                    "give it shape (1,) or put its module in ignored_modules"
+                )
+
         if auto_wrap_policy is not None:
             from reference._wrap_utils import _auto_wrap
 

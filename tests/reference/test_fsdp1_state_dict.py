@@ -470,6 +470,16 @@ def _body_bad_input(rank, ws):
         ["'0._flat_param'", "ShardedTensor"],
         "LOCAL plain",
     )
+    # Construction rejects a scalar parameter before wrapping anything.
+    scalar = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    scalar[1].scale = nn.Parameter(torch.tensor(1.0))
+    try:
+        RF(scalar, auto_wrap_policy=ref.wrap.ModuleWrapPolicy({nn.Linear}))
+    except ValueError as e:
+        assert "1.scale" in str(e), e
+    else:
+        raise AssertionError("scalar parameter accepted")
+    assert all(type(m) is nn.Linear for m in scalar) and "weight" in scalar[0]._parameters
     # A valid dict still loads afterwards (no unshard was left open).
     ours.load_state_dict(full)
     _assert_same_sd(_full_sd(ref, RF, ours), full, f"rank {rank} reload after errors")
