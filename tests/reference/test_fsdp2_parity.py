@@ -52,6 +52,8 @@ def _state(module):
 
 
 def _ws2_body(rank, ws):
+    import types
+
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -228,6 +230,53 @@ def _ws2_body(rank, ws):
         o["pin"] = _catch(
             lambda: _shard(api, _mlp(), mesh, offload_policy=api.CPUOffloadPolicy()) and None
         )[0]
+        # -- HSDP (P16) on a (replicate=1, shard=2) and a (replicate=2, shard=1) mesh
+        for shape in ((1, 2), (2, 1)):
+            hsdp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            model = _shard(api, _mlp(), hsdp_mesh)
+            torch.manual_seed(rank)
+            model(torch.randn(2, 3)).sum().backward()
+            w = model[0].weight
+            o[("hsdp", shape)] = (
+                w.placements,
+                tuple(w.to_local().shape),
+                w.grad.to_local().tolist(),
+            )
+        # -- all-gather extensions (P14), patched onto the local tensor after fully_shard
+        for nargs in (1, 5):
+            model = _shard(api, _mlp(), mesh)
+            local, calls = model[2].weight._local_tensor, []  # (4, 5): even at ws 2
+            if nargs == 5:
+
+                def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+                    calls.append(("pre", mesh.size(), tuple(outer_size), outer_stride))
+                    return (self * 2,), "md"
+            else:
+
+                def pre(self, mesh):
+                    calls.append(("pre", mesh.size()))
+                    return (self * 2,), "md"
+
+            def post(self, outputs, metadata, param_dtype, *, out=None):
+                calls.append(("post", metadata, out is not None, tuple(outputs[0].shape)))
+                if out is None:  # the unsharded param aliases the output: 2x the weight
+                    return outputs[0], (outputs[0],)
+                return None  # later unshards refill the aliased output in place
+
+            local.fsdp_pre_all_gather = types.MethodType(pre, local)
+            local.fsdp_post_all_gather = types.MethodType(post, local)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for _ in range(2):
+                loss = model(torch.ones(2, 3)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            o[("ext", nargs)] = (calls, losses)
+        model = _shard(api, _mlp(), mesh)
+        model[0].weight._local_tensor.fsdp_pre_all_gather = lambda mesh: None
+        o["ext_one_sided"] = _catch(lambda: model(torch.ones(1, 3)) and None)[0]
     return out
 
 
@@ -460,6 +509,30 @@ def test_meta_init_and_cpu_offload(ws2):
         assert res["ref"]["offload"][1] == "cpu"
         assert res["ref"]["offload"] == res["up"]["offload"]
         assert res["ref"]["pin"] == res["up"]["pin"] == "RuntimeError"  # CPU-only build
+
+
+def test_hsdp_placements_and_grads(ws2):
+    """P16: (Replicate(), Shard(0)); local = chunk over the shard dim; grads as upstream."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for res in ws2:
+        for shape, local in (((1, 2), (3 - res["rank"], 3)), ((2, 1), (5, 3))):
+            obs = res["ref"][("hsdp", shape)]
+            assert obs[:2] == ((Replicate(), Shard(0)), local), shape
+            assert obs == res["up"][("hsdp", shape)], shape
+
+
+def test_all_gather_extensions(ws2):
+    """P14: 1- and 5-arg pre hooks get the shard mesh (and global size/stride); post hook gets
+    ``out=`` from the second unshard on; training matches upstream."""
+    for res in ws2:
+        for nargs in (1, 5):
+            calls, losses = res["ref"][("ext", nargs)]
+            pre = ("pre", 2, (4, 5), (5, 1)) if nargs == 5 else ("pre", 2)
+            assert calls[0] == pre and calls[1] == ("post", "md", False, (4, 5))
+            assert all(c == ("post", "md", True, (4, 5)) for c in calls[3::2])
+            assert (calls, losses) == res["up"][("ext", nargs)]
+        assert res["ref"]["ext_one_sided"] == res["up"]["ext_one_sided"] == "AssertionError"
 
 
 # ---- world size 4 -------------------------------------------------------------------------------
