@@ -190,8 +190,8 @@ def placement_case(ctx, name):
     if name == "shard1-on-1d":  # Shard(0) for the weight, Shard(1) for the 1-D bias
         return Two().to(ctx.device), lambda p: Shard(1) if p.ndim == 1 else Shard(0)
     # dim 1 of the extra parameter is ws + 1 (not divisible); the Linear's dim 1 (3) is left on dim 0
-    model = Two(distinct_values((4, ctx.world_size + 1), 1)).to(ctx.device)
-    return model, lambda p: Shard(1) if p.shape == (4, ctx.world_size + 1) else Shard(0)
+    model = Two(distinct_values((5, ctx.world_size + 1), 1)).to(ctx.device)  # (5, ws+1): not lin's
+    return model, lambda p: Shard(1) if p.shape == (5, ctx.world_size + 1) else Shard(0)
 
 
 @check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN},

@@ -334,3 +334,41 @@ def full_tensor_equals_original(ctx):
     for fqn, param in model.named_parameters():
         full = param.full_tensor().detach().cpu()
         assert torch.equal(full, originals[fqn]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+
+
+def assert_hsdp_sharded(ctx, fqn, param, orig, where):
+    """HSDP SHARDED: (Replicate(), Shard(0)) on the (2, 2) mesh, chunk rank % 2 of 2 locally."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tag = f"{ctx.where()} {fqn} {where}"
+    assert isinstance(param, DTensor), f"{tag}: expected SHARDED (a DTensor), got a plain tensor"
+    assert tuple(param.placements) == (Replicate(), Shard(0)), f"{tag}: placements {param.placements}"
+    start, end = rows(orig.shape[0], 2, ctx.rank % 2)
+    assert torch.equal(param.to_local().detach().cpu(), orig[start:end]), (
+        f"{tag}: local shard is not rows {start}:{end} (chunk {ctx.rank % 2} of 2)")
+
+
+@check(area="states", requires={base.FSDP2_API, base.HSDP, base.RESHARD_AFTER_FORWARD,
+                                 base.DTENSOR_PARAMS},
+       cases={"true": {"raf": True}, "false": {"raf": False}}, world_sizes=(4,))
+def hsdp_states(ctx, raf):
+    """On a (replicate=2, shard=2) mesh: SHARDED is (Replicate(), Shard(0)) with chunk rank % 2;
+    after forward the parameters are SHARDED (raf=True, storage freed) or UNSHARDED (raf=False,
+    the object forward used); after backward SHARDED with gradients of the same placements."""
+    mesh = ctx.make_mesh((2, 2), ("replicate", "shard"))
+    model, originals = build(ctx, mesh=mesh, reshard_after_forward=raf)
+    for fqn, param in model.named_parameters():
+        assert_hsdp_sharded(ctx, fqn, param, originals[fqn], "after fully_shard")
+    out = model(batch(ctx))
+    for fqn, param in model.named_parameters():
+        if raf:
+            assert_hsdp_sharded(ctx, fqn, param, originals[fqn], "after forward (raf=True)")
+            assert_freed(ctx, fqn, last_seen(model, fqn), "after forward (raf=True)")
+        else:
+            assert_unsharded(ctx, fqn, param, originals[fqn], " after forward (raf=False)")
+            assert param is last_seen(model, fqn), f"{ctx.where()} {fqn}: not the object forward used"
+    out.sum().backward()
+    for fqn, param in model.named_parameters():
+        assert_hsdp_sharded(ctx, fqn, param, originals[fqn], "after backward")
+        assert tuple(param.grad.placements) == tuple(param.placements), (
+            f"{ctx.where()} {fqn}: grad placements {param.grad.placements}")

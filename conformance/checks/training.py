@@ -155,7 +155,8 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
     mine = slice(rank * B, (rank + 1) * B)
     for step in range(steps):
         if mp_tolerance:
-            before = {n: p.detach().full_tensor().cpu().float() for n, p in named_unique(model)}
+            before = {n: p.detach().full_tensor().cpu().float().clone()  # never alias the param
+                      for n, p in named_unique(model)}
             obefore = {n: p.detach().clone().cpu() for n, p in named_unique(oracle)}
         for micro in range(accumulate):
             x, y = make_batch(model_name, ws, step * accumulate + micro, ctx.device)
