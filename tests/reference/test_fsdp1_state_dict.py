@@ -260,11 +260,8 @@ def _check_sharded_rule(rank, ws, ref, RF):
         assert torch.equal(shards[0].tensor, rows), key
     with RF.state_dict_type(ours, ref.StateDictType.LOCAL_STATE_DICT):
         local = ours.state_dict()
-    for key, fsdp in (("_flat_param", ours), ("1._flat_param", ours.module[1])):
-        numel = sum(
-            p.numel() for p in fsdp._handle.flat_param._shapes and fsdp._handle._orig_params or []
-        )
-        numel = fsdp._handle.flat_param._unpadded_unsharded_size.numel()
+    # The root flattens Linear(3, 7) (21 + 7 elements), the child Linear(7, 1) (7 + 1).
+    for key, numel in (("_flat_param", 28), ("1._flat_param", 8)):
         step = math.ceil(numel / ws)
         mine = max(0, min(step, numel - step * rank))
         shards = local[key].local_shards()
