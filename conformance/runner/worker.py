@@ -66,6 +66,12 @@ def worker_main(
     except Exception as exc:  # noqa: BLE001
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         sys.exit(3)
+    # Import the heavy modules before reporting ready, so the first check's timeout does not pay
+    # for them (several seconds on a loaded 2-core machine).
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
     conn.send(("ready", os.getpid()))
     try:
         while True:
