@@ -18,8 +18,9 @@
 
 Behaviour kept from upstream (torch 2.13): a process group of size 1 runs NO_SHARD with a warning;
 NO_SHARD on more ranks warns that it is deprecated; state dicts turn into FULL under NO_SHARD (see
-``_state_dict_utils``). Left out: CPU offload of parameters, HYBRID_SHARD, ``sync_module_states``,
-``param_init_fn``, prefetching, optimizer-state APIs.
+``_state_dict_utils``). ``sync_module_states=True`` broadcasts rank 0's managed parameters and owned
+buffers before flattening (on any device; upstream refuses CPU modules). Left out: CPU offload of
+parameters, HYBRID_SHARD, ``param_init_fn``, prefetching, optimizer-state APIs.
 """
 
 from __future__ import annotations
@@ -121,10 +122,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         if cpu_offload is not None and cpu_offload.offload_params:
             raise NotImplementedError("The reference FSDP does not implement CPUOffload")
-        if param_init_fn is not None or sync_module_states:
-            raise NotImplementedError(
-                "The reference FSDP does not implement param_init_fn / sync_module_states"
-            )
+        if param_init_fn is not None:
+            raise NotImplementedError("The reference FSDP does not implement param_init_fn")
         if ignored_modules is not None and ignored_states is not None:
             raise ValueError("Cannot pass both ignored_modules and ignored_states")
         super().__init__()
@@ -202,6 +201,10 @@ class FullyShardedDataParallel(nn.Module):
                 p.data = p.data.to(self.compute_device)
         for _, owner, name in self._owned_buffers:
             owner._buffers[name] = owner._buffers[name].to(self.compute_device)
+        if sync_module_states:
+            src = dist.get_global_rank(self.process_group, 0)
+            for t in [p.data for p in params] + [o._buffers[n] for _, o, n in self._owned_buffers]:
+                dist.broadcast(t, src=src, group=self.process_group)
         self._buffer_name_to_orig_dtype = {
             fqn: owner._buffers[name].dtype for fqn, owner, name in self._owned_buffers
         }

@@ -332,6 +332,28 @@ def _body_buffers(rank, ws):
                 assert s1[key].dtype == s2[key].dtype and torch.equal(s1[key], s2[key]), key
     _check_ignored_modules(rank, ref, RF, tfsdp, TF)
     _check_non_fsdp_root(rank, ref, RF, tfsdp, TF)
+    _check_rank0_load_and_sync(rank, ref, RF)
+
+
+def _check_rank0_load_and_sync(rank, ref, RF):
+    """S21 on CPU: save FULL with rank0_only, load it on rank 0 only into an unwrapped model, wrap
+    with ``sync_module_states=True``: every rank ends with the source values (upstream needs a
+    GPU for this flow)."""
+    import torch.distributed as dist
+
+    source, _ = _nested(RF, 13)
+    cfg = ref.FullStateDictConfig(rank0_only=True)
+    with RF.state_dict_type(source, ref.StateDictType.FULL_STATE_DICT, cfg):
+        saved = source.state_dict()
+    torch.manual_seed(100 + rank)  # a different init on every rank
+    plain = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False))
+    if rank == 0:
+        plain.load_state_dict(saved)
+    synced = RF(plain, sync_module_states=True)
+    got = _full_sd(ref, RF, synced)
+    expected = _full_sd(ref, RF, source)
+    _assert_same_sd(got, expected, f"rank {rank} sync_module_states")
+    dist.barrier()
 
 
 def _check_ignored_modules(rank, ref, RF, tfsdp, TF):
