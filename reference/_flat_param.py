@@ -337,6 +337,16 @@ class FlatParamHandle:
             else:
                 p.grad = grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
 
+    @torch.no_grad()
+    def use_unsharded_grad_views(self) -> None:
+        """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
+        gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
+        grad = self.flat_param.grad
+        local = grad if grad is not None else torch.zeros_like(self.flat_param)
+        padded = self._gather(local.detach(), local.dtype)
+        for p, g in zip(self._orig_params, self.unflatten(padded)):
+            p.grad = g
+
     def _use_placeholders(self) -> None:
         """use_orig_params=False between unshards: each original name holds a ``meta`` tensor of
         the original shape and dtype (no storage). Code that only inspects it (``repr``,

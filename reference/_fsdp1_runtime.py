@@ -131,7 +131,7 @@ def _validate_unshard_params_args(
     with_grads: bool,
 ) -> None:
     """Argument combinations upstream rejects (same exception types and texts)."""
-    if with_grads:
+    if with_grads and (offload_to_cpu or not state._use_orig_params):
         raise NotImplementedError(
             f"with_grads={with_grads}, use_orig_params={state._use_orig_params}, "
             f"offload_to_cpu={offload_to_cpu} is not supported yet"
@@ -158,6 +158,7 @@ def _unshard_fsdp_state_params(
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
+    with_grads: bool = False,
 ) -> Iterator[None]:
     """Expose ``state`` 's own original parameters unsharded (not its nested FSDP modules').
 
@@ -165,6 +166,8 @@ def _unshard_fsdp_state_params(
     at once and keep their sharded layout. With ``offload_to_cpu`` the exposed views live in a CPU
     copy (a no-op on a CPU compute device: the gathered tensor is already there). On exit,
     ``writeback`` copies this rank's range of the (possibly modified) full tensor into the shard.
+    ``with_grads`` (use_orig_params only) also gathers the flat gradient and gives each original
+    parameter its full ``.grad`` (a rank without a gradient contributes zeros).
     """
     handle = state._handle
     if handle is None:
@@ -194,6 +197,8 @@ def _unshard_fsdp_state_params(
         padded = padded.cpu()
     _hide_flat_param(state)
     handle.use_unsharded_views(padded, as_params=True)
+    if with_grads:
+        handle.use_unsharded_grad_views()
     state.training_state = TrainingState.SUMMON_FULL_PARAMS
     try:
         yield
@@ -201,6 +206,8 @@ def _unshard_fsdp_state_params(
         if writeback:
             handle.writeback(padded)
         handle.reshard()
+        if with_grads:
+            handle._use_sharded_grad_views()
         _show_flat_param(state)
         state.training_state = TrainingState.IDLE
 
@@ -226,6 +233,6 @@ def _unshard_params(
     with contextlib.ExitStack() as stack:
         for state in states:
             stack.enter_context(
-                _unshard_fsdp_state_params(state, writeback, rank0_only, offload_to_cpu)
+                _unshard_fsdp_state_params(state, writeback, rank0_only, offload_to_cpu, with_grads)
             )
         yield

@@ -257,6 +257,19 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key: int) -> Any:
         return self._modules[FSDP_WRAPPED_MODULE].__getitem__(key)
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s, but inside ``summon_full_params`` the names lose every
+        ``_fsdp_wrapped_module.`` (upstream's rule, so they match the unwrapped model)."""
+        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (name.replace(f"{FSDP_WRAPPED_MODULE}.", "") if clean else name), param
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """Buffer names, cleaned like :meth:`named_parameters` inside ``summon_full_params``."""
+        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, buf in super().named_buffers(*args, **kwargs):
+            yield (name.replace(f"{FSDP_WRAPPED_MODULE}.", "") if clean else name), buf
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _forward(self, *args, **kwargs)
 
@@ -291,7 +304,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> Iterator[None]:
         """Expose full, unflattened parameters of every FSDP module in the tree (all ranks must
         enter). Changes made inside persist on exit when ``writeback`` (each rank keeps its own
-        range). ``with_grads`` is not implemented by the reference."""
+        range). ``with_grads`` (use_orig_params only) also exposes full gradients as ``.grad``."""
         with _unshard_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 

@@ -333,6 +333,7 @@ def _body_buffers(rank, ws):
     _check_ignored_modules(rank, ref, RF, tfsdp, TF)
     _check_non_fsdp_root(rank, ref, RF, tfsdp, TF)
     _check_rank0_load_and_sync(rank, ref, RF)
+    _check_summon_with_grads(rank, ref, RF, tfsdp, TF)
 
 
 def _check_rank0_load_and_sync(rank, ref, RF):
@@ -354,6 +355,20 @@ def _check_rank0_load_and_sync(rank, ref, RF):
     expected = _full_sd(ref, RF, source)
     _assert_same_sd(got, expected, f"rank {rank} sync_module_states")
     dist.barrier()
+
+
+def _check_summon_with_grads(rank, ref, RF, tfsdp, TF):
+    """summon_full_params(with_grads=True) exposes the same full gradients as torch."""
+    grads = []
+    for fsdp, cls in ((RF, RF), (TF, tfsdp.FullyShardedDataParallel)):
+        model, in_shape = _odd(fsdp, 14, use_orig_params=True)
+        torch.manual_seed(400 + rank)
+        model(torch.randn(in_shape)).sum().backward()
+        with cls.summon_full_params(model, with_grads=True):
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert list(grads[0]) == list(grads[1]), list(grads[0])
+    for name, g in grads[1].items():
+        assert torch.allclose(grads[0][name], g, atol=1e-6), f"rank {rank}: grad of {name}"
 
 
 def _check_ignored_modules(rank, ref, RF, tfsdp, TF):
