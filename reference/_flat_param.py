@@ -43,25 +43,11 @@ from torch import nn
 from reference._fsdp1_flat_layout import (
     ParamInfo,
     SharedParamInfo,
-    _ShardParamInfo,
     aligned_numel,
     flat_layout,
     shard_param_infos,
     shard_range,
 )
-
-__all__ = [
-    "FLAT_PARAM",
-    "FlatParamHandle",
-    "FlatParameter",
-    "ParamInfo",
-    "SharedParamInfo",
-    "_ShardParamInfo",
-    "aligned_numel",
-    "flat_layout",
-    "shard_param_infos",
-    "shard_range",
-]
 
 FLAT_PARAM = "_flat_param"
 
@@ -201,7 +187,8 @@ class FlatParamHandle:
         fp._numels_with_padding = tuple(segments)
         fp._is_padding_mask = mask
         fp._unpadded_unsharded_size = torch.Size([total])
-        fp._padded_unsharded_size = torch.Size([shard.numel() * self._gather_factor()])
+        gathered_numel = shard.numel() * (self.world_size if self.uses_sharded_strategy else 1)
+        fp._padded_unsharded_size = torch.Size([gathered_numel])
         fp._sharded_size = shard.size()
         fp._shard_numel_padded = pad
         fp._shard_param_infos = shard_param_infos(segments, mask, start, end)
@@ -217,9 +204,6 @@ class FlatParamHandle:
         # under FULL_SHARD; the tensor objects stay: they are autograd outputs that recomputed
         # modules must connect to).
         self._gathered_for_backward: list[torch.Tensor] = []
-
-    def _gather_factor(self) -> int:
-        return self.world_size if self.uses_sharded_strategy else 1
 
     # -- collectives ------------------------------------------------------------------------------
 
