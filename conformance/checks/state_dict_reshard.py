@@ -6,8 +6,8 @@ The harness runs one world size at a time, so a check at W2 cannot borrow a W1 g
 ``_save_main`` on a fresh loopback rendezvous) that shards ``Net(salt=0)`` with the same
 implementation and writes its SHARDED state dict with ``torch.distributed.checkpoint.save`` (and, for
 LOCAL, each rank's flat pieces with ``torch.save``) into a directory. Rank 0 broadcasts the
-directory's path (and the job's outcome) to the other ranks, which then ``dcp.load`` it into a
-fresh model at W2. The checkpoint content depends only on (implementation, W1), so it is written
+directory's path before it starts the job; the other ranks wait for the directory (or an error
+file) to appear, outside any collective, and then ``dcp.load`` it into a fresh model at W2. The checkpoint content depends only on (implementation, W1), so it is written
 once per run and reused by every world size: it lives under
 ``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (the workers' parent process), and directories of
 drivers that have exited are removed when a new run writes its first checkpoint. This works for
@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from conformance.checks.layout import flat_range
 from conformance.registry import check
 
 _PREFIX = "fsdp-conformance-sd-"
+_JOB_TIMEOUT = 200  # seconds for the save job (4 fresh interpreters on a loaded 2-core box)
 
 
 def sharded_kind(impl) -> str:
@@ -91,9 +93,10 @@ def _produce(ctx, spec: str, w1: int, directory: Path) -> None:
          str(rank), str(port), ctx.device.type, ctx.backend],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(w1)]
     outputs = []
+    deadline = time.monotonic() + _JOB_TIMEOUT
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=100)  # < the group timeout (120 s)
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
@@ -107,22 +110,33 @@ def _produce(ctx, spec: str, w1: int, directory: Path) -> None:
 
 
 def checkpoint_dir(ctx, w1: int) -> Path:
-    """The directory holding ``Net(0)`` saved by this implementation at world size ``w1``."""
-    result = None
+    """The directory holding ``Net(0)`` saved by this implementation at world size ``w1``.
+
+    Rank 0 broadcasts the path first and then runs the save job while the other ranks wait for
+    the directory (or an error file) to appear on disk: no collective is pending during the job,
+    so a slow job cannot trip the process group's timeout."""
+    directory = error_file = None
     if ctx.rank == 0:
+        spec = _impl_spec(ctx)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+        directory = _cache_root() / f"{safe}-ws{w1}"
+        error_file = directory.with_name(directory.name + ".error")
+        error_file.unlink(missing_ok=True)
+    directory = Path(broadcast_from_rank0(ctx, str(directory)))
+    error_file = directory.with_name(directory.name + ".error")
+    if ctx.rank == 0 and not directory.exists():
         try:
-            spec = _impl_spec(ctx)
-            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
-            directory = _cache_root() / f"{safe}-ws{w1}"
-            if not directory.exists():
-                _produce(ctx, spec, w1, directory)
-            result = ("ok", str(directory))
+            _produce(ctx, spec, w1, directory)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            result = ("error", f"{type(exc).__name__}: {exc}")
-    status, text = broadcast_from_rank0(ctx, result)
-    if status != "ok":
+            error_file.write_text(f"{type(exc).__name__}: {exc}")
+    deadline = time.monotonic() + _JOB_TIMEOUT + 20
+    while not directory.exists() and not error_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ctx.barrier()
+    if not directory.exists():
+        text = error_file.read_text() if error_file.exists() else "no result within the deadline"
         raise AssertionError(f"{ctx.where()} could not write the world-size-{w1} checkpoint: {text}")
-    return Path(text)
+    return directory
 
 
 def _save_main(argv: list[str]) -> None:
@@ -162,7 +176,7 @@ def _save_main(argv: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------ checks
-@check(area=AREA, cases={f"from-ws{w}": {"w1": w} for w in (1, 2, 3, 4)}, timeout=150)
+@check(area=AREA, cases={f"from-ws{w}": {"w1": w} for w in (1, 2, 3, 4)}, timeout=_JOB_TIMEOUT + 60)
 def reshard_dcp(ctx, w1):
     """A sharded checkpoint written with ``torch.distributed.checkpoint.save`` by this
     implementation at world size W1 loads (``dcp.load`` into this world size's sharded dict, then
@@ -178,7 +192,7 @@ def reshard_dcp(ctx, w1):
     assert_loaded(ctx, dst, plain_reference(Net, 0), f"after loading the world-size-{w1} checkpoint")
 
 
-@check(area=AREA, requires={base.LOCAL_STATE_DICT}, world_sizes=(2,), timeout=150)
+@check(area=AREA, requires={base.LOCAL_STATE_DICT}, world_sizes=(2,), timeout=_JOB_TIMEOUT + 60)
 def local_reshard_4_to_2(ctx):
     """S7 (upstream's 4 -> 2 LOCAL reshard): the flat pieces of a world-size-4 LOCAL state dict,
     reassembled and re-chunked by the flat rule for 2 ranks (``init_from_local_shards``), load as
