@@ -104,11 +104,17 @@ def scalar_parameter(ctx):
 
 
 @check(area="bad_input", requires=API,
-       cases={"transposed": {"kind": "t"}, "channels-last": {"kind": "cl"}})
+       cases={"transposed": {"kind": "t"}, "channels-last": {"kind": "cl"},
+              "transposed-only": {"kind": "only"}})
 def noncontiguous_parameter(ctx, kind):
-    """A non-contiguous parameter (a transposed view, a channels_last conv weight):
-    NotImplementedError 'FSDP does not support non-contiguous parameters yet'; module unchanged."""
-    if kind == "t":
+    """A non-contiguous parameter (a transposed view, a channels_last conv weight; after a good
+    parameter, or as the only one): NotImplementedError 'FSDP does not support non-contiguous
+    parameters yet'; module unchanged."""
+    if kind == "only":
+        model = nn.Module()
+        model.extra = nn.Parameter(distinct_values((6, 4), 1).t().to(ctx.device))
+        kind = "t"
+    elif kind == "t":
         model = Two(distinct_values((6, 4), 1).t()).to(ctx.device)
     else:
         model = Two().to(ctx.device)
