@@ -59,20 +59,6 @@ class TrainingState(Enum):
     IDLE = auto()  # none of the above
 
 
-def _chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
-    """``torch.chunk`` padded with empty tensors to exactly ``num_chunks`` chunks."""
-    chunks = list(torch.chunk(tensor, num_chunks, dim=dim))
-    chunks += [chunks[0].new_empty(0)] * (num_chunks - len(chunks))
-    return chunks
-
-
-def _get_dim_chunked_size(chunk: torch.Tensor, unchunked: torch.Size, dim: int) -> torch.Size:
-    """A chunk's size, or for an empty chunk the unchunked size with 0 at ``dim``."""
-    if chunk.numel() > 0:
-        return chunk.size()
-    return unchunked[:dim] + torch.Size([0]) + unchunked[dim + 1 :]
-
-
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None and tensor.dtype != dtype:
         return tensor.to(dtype)

@@ -41,8 +41,6 @@ from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_common import (
     FSDPMeshInfo,
     HSDPMeshInfo,
-    _chunk_with_empty,
-    _get_dim_chunked_size,
     _get_orig_param_uid,
     _to_dtype_if_needed,
     alloc_storage,
@@ -51,7 +49,7 @@ from ._fsdp_common import (
 )
 from ._fsdp_extensions import ExtensionsData, has_extensions, post_all_gather, pre_all_gather
 from ._fsdp_init import _resolve_shard_placement
-from ._shard_math import contiguous_strides
+from ._shard_math import contiguous_strides, padded_sharded_size, shard_offset, sharded_size
 
 
 class ShardedState(Enum):
@@ -158,15 +156,15 @@ class FSDPParam:
             placements,
             tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
         )
-        chunks = _chunk_with_empty(param, ws, dim=shard_dim)
-        chunk = chunks[rank]
-        self.sharded_size = _get_dim_chunked_size(chunk, param.size(), dim=shard_dim)
+        # torch.chunk rule (see _shard_math): ceil(size / ws) per rank, the tail short or empty.
+        self.sharded_size = torch.Size(sharded_size(param.shape, ws, rank, shard_dim))
         self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
-        self.padded_sharded_param_size = chunks[0].size()  # chunk 0 is never smaller
+        self.padded_sharded_param_size = torch.Size(padded_sharded_size(param.shape, ws, shard_dim))
         padded = param.new_zeros(self.padded_sharded_param_size)
-        length = chunk.size(shard_dim) if chunk.numel() > 0 else 0
+        length = self.sharded_size[shard_dim]
         if length > 0:
-            padded.narrow(shard_dim, 0, length).copy_(chunk)
+            start = shard_offset(param.shape, ws, rank, shard_dim)
+            padded.narrow(shard_dim, 0, length).copy_(param.narrow(shard_dim, start, length))
         if self.offload_to_cpu and not padded.is_meta:
             padded = padded.cpu()
             if self.pin_memory:
@@ -182,9 +180,8 @@ class FSDPParam:
 
     def _init_sharded_post_forward_param_metadata(self, param: torch.Tensor) -> None:
         info = self.post_forward_mesh_info
-        chunks = _chunk_with_empty(param, info.shard_mesh_size, dim=0)
-        self.sharded_post_forward_size = _get_dim_chunked_size(
-            chunks[info.shard_mesh_rank], param.size(), dim=self.fsdp_placement.dim
+        self.sharded_post_forward_size = torch.Size(
+            sharded_size(param.shape, info.shard_mesh_size, info.shard_mesh_rank, 0)
         )
         self.contiguous_sharded_post_forward_stride = contiguous_strides(
             self.sharded_post_forward_size
@@ -409,10 +406,12 @@ class FSDPParam:
         local = new_param._local_tensor
         if local.is_meta:
             return
-        ptr = self._sharded_param_data.untyped_storage().data_ptr()
-        same_local_tensor = ptr > 0 and ptr == local.untyped_storage().data_ptr()
+        same_local_tensor = False
+        if type(self._sharded_param_data) is torch.Tensor:  # subclasses may have no storage
+            ptr = self._sharded_param_data.untyped_storage().data_ptr()
+            same_local_tensor = ptr > 0 and ptr == local.untyped_storage().data_ptr()
         shard_dim = self.fsdp_placement.dim
-        length = local.size(shard_dim) if local.numel() > 0 else 0
+        length = local.size(shard_dim)
         updated = False
         if local.size() != self.padded_sharded_param_size and not same_local_tensor:
             if shard_dim != 0:

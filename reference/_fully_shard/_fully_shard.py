@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.utils import _get_root_modules
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
@@ -194,6 +194,38 @@ class FSDPModule:
             raise AssertionError(f"No FSDP state found on {self}")
         return state
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, all or nothing.
+
+        Upstream copies the valid entries before it raises for a bad one; the reference puts every
+        parameter and buffer of the module tree back (object and values) before re-raising, so a
+        failed load changes nothing. Loading works on the sharded ``DTensor`` s: load a dict of
+        ``DTensor`` s with the same placements (plain tensors are rejected, spec P8).
+        """
+        saved = []
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        copy = None if tensor is None else _local(tensor).clone()
+                        saved.append((table, name, tensor, copy))
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except Exception:
+            with torch.no_grad():
+                for table, name, tensor, copy in saved:
+                    table[name] = tensor
+                    if copy is not None:
+                        _local(tensor).copy_(copy)
+                for module in self.modules():
+                    if isinstance(module, FSDPModule):
+                        for group in module._get_fsdp_state()._fsdp_param_groups:
+                            for fsdp_param in group.fsdp_params:
+                                fsdp_param.reset_sharded_param()
+            raise
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``to`` / ``to_empty`` / ``cpu`` ...: reshard, apply, then re-pad every shard."""
         self.reshard()
@@ -220,3 +252,8 @@ class _UnshardHandleImpl(UnshardHandle):
         for group in self._fsdp_param_groups or []:
             group.wait_for_unshard()
         self._fsdp_param_groups = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's values (a DTensor's local shard, else the tensor)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
