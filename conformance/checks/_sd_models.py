@@ -295,6 +295,7 @@ def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: b
             assert offset[0] == start, f"{ctx.where()} {name}: DTensor local offset {offset[0]}, expected {start}"
     else:
         raise AssertionError(f"{ctx.where()} {name}: {type(got).__name__}, expected a ShardedTensor or DTensor")
+    assert local.dtype == exp.dtype, f"{ctx.where()} {name}: local shard dtype {local.dtype} != {exp.dtype}"
     want_shape = (end - start, *exp.shape[1:])
     assert tuple(local.shape) == want_shape, (
         f"{ctx.where()} {name} {tuple(exp.shape)}: local shard shape {tuple(local.shape)}, expected "

@@ -214,9 +214,9 @@ BUFFER_CASES |= {f"{k}-mixed_precision": {"kind": k, "mixed_precision": True} fo
 
 @check(area=AREA, cases=BUFFER_CASES)
 def buffers(ctx, kind, mixed_precision=False):
-    """S12: persistent buffers appear under clean names with their own values, the non-persistent
-    one never; with buffer mixed precision (fp16) the dict holds them in their original dtype
-    (fp32) while the module's buffers stay fp16, and they load back."""
+    """S12/S13: persistent buffers appear under clean names with their own values, the
+    non-persistent one never; with fp16 mixed precision the dict holds buffers and parameters in
+    their original dtype (fp32) while the module's buffers stay fp16, and they load back."""
     require_kind(ctx, kind)
     options = {}
     if mixed_precision:
@@ -233,6 +233,9 @@ def buffers(ctx, kind, mixed_precision=False):
     for name, exp in expected.items():
         assert name in sd, f"{ctx.where()} persistent buffer {name} missing from the {kind} dict ({sorted(sd)})"
         assert_entry(ctx, name, sd[name], exp, full=True)
+    if mixed_precision:  # S13: parameters are saved in their original dtype too
+        for name, param in plain.named_parameters():
+            assert_entry(ctx, name, sd[name], param.detach(), full=is_full_kind(ctx, kind))
     if mixed_precision and base.FLAT_PARAM in ctx.impl.capabilities:
         dtypes = {clean_fqn(n): b.dtype for n, b in model.named_buffers()}
         assert dtypes["buf"] == torch.float16, f"{ctx.where()} module buffer dtype after save {dtypes}, expected fp16"
