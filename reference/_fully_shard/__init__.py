@@ -1,7 +1,8 @@
 """FSDP2, per-parameter sharding: a readable reference of ``torch.distributed.fsdp.fully_shard``.
 
 Files, in reading order: ``_shard_math`` (sizes and padding), ``_fsdp_api`` (policies),
-``_fsdp_common`` (meshes, states), ``_fsdp_param`` (one parameter), ``_fsdp_collectives``
+``_fsdp_common`` (meshes, states), ``_fsdp_param`` (one parameter), ``_fsdp_extensions``
+(all-gather extension hooks), ``_fsdp_collectives``
 (all-gather / reduce-scatter), ``_fsdp_param_group`` (one call's parameters), ``_fsdp_state``
 (hooks, root, lazy init), ``_fsdp_init`` (argument checks), ``_fully_shard`` (the API).
 """

@@ -8,8 +8,10 @@ so shape arithmetic stays uniform. Chunk 0 is always the largest, so its size is
 shard size: every rank stores its shard in a buffer of that size, zero-filled past its data. Rank
 ``r``'s rows start at ``r * ceil(size[d] / world_size)`` in the original (when non-empty).
 
-These functions take plain ints and tuples so that they can be property-tested directly; the
-``FSDPParam`` code computes the same quantities on tensors.
+These functions take plain ints and tuples so that they can be property-tested without a process
+group; ``FSDPParam`` takes its ``sharded_size`` / ``padded_sharded_param_size`` from them. (A
+zero-numel parameter such as ``(4, 0)`` follows the same rule: ``(2, 0)`` per rank at world size 2;
+upstream 2.13 reports ``(0, 0)`` there because it tests the chunk's numel.)
 """
 
 from __future__ import annotations
