@@ -22,7 +22,9 @@ def _check_dirs(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    explicit = [a for a in argv if "::" in a or a.endswith(".py")]
+    # an explicit target: a node id or an existing check file (option values such as
+    # "--reports-dir DIR" are never mistaken for one)
+    explicit = [a for a in argv if "::" in a or (a.endswith(".py") and Path(a).is_file())]
     targets = [] if explicit else [str(Path(__file__).parent / "checks"), *_check_dirs(argv)]
     return int(pytest.main(["-p", "conformance.plugin", *targets, *argv]))
 

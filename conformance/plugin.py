@@ -282,10 +282,19 @@ class CheckItem(pytest.Item):
     meta: CaseMeta
     rank_results: list = ()
 
+    def _missing_capabilities(self) -> list[str]:
+        impl = _session(self.config).impls[self.meta.impl_spec]
+        return sorted(self.meta.spec.requires - set(impl.capabilities))
+
+    def setup(self):
+        # (Re)start the group here so that start-up time is not counted as the check's duration.
+        if not self._missing_capabilities():
+            _session(self.config).group(self.meta.world_size).start()
+
     def runtest(self):
         meta, session = self.meta, _session(self.config)
         impl = session.impls[meta.impl_spec]
-        missing = sorted(meta.spec.requires - set(impl.capabilities))
+        missing = self._missing_capabilities()
         if missing:
             pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
         timeout = meta.spec.timeout or self.config.option.check_timeout
