@@ -27,6 +27,7 @@ alias valid; unsharding resizes the storage back before the copy-out writes into
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -267,15 +268,24 @@ class FSDPParam:
             )
         sharded_numel = numel // info.shard_mesh_size
         start = sharded_numel * info.shard_mesh_rank
-        # Clone so that the full all-gather output can be freed.
-        data = self.all_gather_outputs[0].narrow(0, start, sharded_numel).clone()
+        # Clone so that the full all-gather output can be freed. ``data`` is this rank's slice of
+        # the padded all-gather output: what the post-forward all-gather will exchange.
+        output = self.all_gather_outputs[0]
+        data = output.narrow(0, start, sharded_numel).clone()
         self._sharded_post_forward_param_data = data
-        local = torch.as_strided(
-            data,
-            self.sharded_post_forward_size,
-            self.contiguous_sharded_post_forward_stride,
-            0,
-        )
+        # The registered local tensor follows the chunk rule over the post-forward group (rows
+        # [j*ceil(d0/k), ...)), which is what its DTensor spec says. The all-gather output holds
+        # the original rows in order, then padding, so those rows start at ``row_start * row``.
+        # With uneven dim 0 they need not line up with ``data``: then they are a separate copy.
+        row = math.prod(self._orig_size[1:])
+        chunk = math.ceil(self._orig_size[0] / info.shard_mesh_size)
+        local_start = min(info.shard_mesh_rank * chunk, self._orig_size[0]) * row
+        local_numel = math.prod(self.sharded_post_forward_size)
+        if local_start == start and local_numel <= sharded_numel:
+            local = data[:local_numel].view(self.sharded_post_forward_size)
+        else:
+            local = output.narrow(0, local_start, local_numel).clone()
+            local = local.view(self.sharded_post_forward_size)
         spec = DTensorSpec(
             info.mesh,
             (Replicate(), Shard(0)),

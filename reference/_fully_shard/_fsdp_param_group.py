@@ -130,16 +130,20 @@ class FSDPParamGroup:
         if result is None:
             return
         if result is _NO_COLLECTIVE:
+            # One rank: every all-gather output is a copy of its input (an extension may
+            # have several inputs per parameter; each gets its own output).
             for fsdp_param in self.fsdp_params:
-                (inp,) = fsdp_param.all_gather_inputs
-                fsdp_param.init_all_gather_outputs([inp.numel()], [inp.dtype], 1, self.device)
-                out = fsdp_param.all_gather_outputs[0]
-                alloc_storage(out)
-                with (
-                    torch.no_grad(),
-                    torch.autograd._unsafe_preserve_version_counter(out),
-                ):
-                    out.copy_(inp)
+                inputs = fsdp_param.all_gather_inputs
+                fsdp_param.init_all_gather_outputs(
+                    [t.numel() for t in inputs], [t.dtype for t in inputs], 1, self.device
+                )
+                for inp, out in zip(inputs, fsdp_param.all_gather_outputs):
+                    alloc_storage(out)
+                    with (
+                        torch.no_grad(),
+                        torch.autograd._unsafe_preserve_version_counter(out),
+                    ):
+                        out.copy_(inp.reshape(-1))
         else:
             foreach_all_gather_copy_out(result, self.fsdp_params, self._all_gather_process_group)
         for fsdp_param in self.fsdp_params:
