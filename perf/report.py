@@ -157,8 +157,9 @@ def _allgather(ix: Index) -> list[str]:
                 "collective as the param group issues it, `copy_out` = split into the unsharded "
                 "parameters; FSDP1-style pieces are not reachable: see the skipped cases):",
                 "",
-                "| shapes | impl | copy_in | unshard | copy_out | e2e | e2e spread |",
-                "|---|---|---|---|---|---|---|",
+                "| shapes | impl | copy_in | unshard | copy_out | e2e | e2e spread | "
+                "e2e algbw / busbw GB/s |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for cfg in ix.configs("allgather", ws):
                 for i in fsdp2_impls:
@@ -170,8 +171,13 @@ def _allgather(ix: Index) -> list[str]:
                         )
                     e2e = ix.get("allgather", ws, i, cfg, "e2e")
                     spread = f"{e2e['iqr_rel']:.0%}" if e2e else "–"
+                    bw = (
+                        f"{e2e['algbw_gbps']:.2f} / {e2e['busbw_gbps']:.2f}"
+                        if e2e and "algbw_gbps" in e2e
+                        else "–"
+                    )
                     out.append(
-                        f"| {_cfg_name(cfg)} | {i} | " + " | ".join(cells) + f" | {spread} |"
+                        f"| {_cfg_name(cfg)} | {i} | " + " | ".join(cells) + f" | {spread} | {bw} |"
                     )
             out.append("")
     return out
