@@ -38,7 +38,8 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The project's own tests, then a conformance smoke run at world sizes 1-3."""
+    """The project's own tests, a conformance smoke run (every built-in, world sizes 1-3) and the
+    perf suite in quick mode (correctness only)."""
     install_torch(session)
     session.run("python", "-m", "pytest", "tests", *session.posargs)
     session.run(
@@ -47,8 +48,6 @@ def tests(session: nox.Session) -> None:
         "conformance",
         "--world-sizes",
         "1,2,3",
-        "--impl",
-        "torch-fsdp2,torch-fsdp1",
         "--reports-dir",
         "reports/smoke",
         "-q",

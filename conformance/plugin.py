@@ -36,7 +36,7 @@ def pytest_addoption(parser):
         default=None,
         help="comma-separated implementations: built-in names (torch-fsdp2, torch-fsdp1, "
         "reference, reference-fsdp1), entry-point names or package.module:attr "
-        "(default: $FSDP_CONFORMANCE_IMPL, else torch-fsdp2,torch-fsdp1)",
+        "(default: $FSDP_CONFORMANCE_IMPL, else every built-in)",
     )
     g.addoption(
         "--world-sizes",

@@ -61,7 +61,7 @@ BUILTINS = {
     "reference": _reference_fsdp2,
     "reference-fsdp1": _reference_fsdp1,
 }
-DEFAULT_SELECTION = ("torch-fsdp2", "torch-fsdp1")
+DEFAULT_SELECTION = ("torch-fsdp2", "torch-fsdp1", "reference", "reference-fsdp1")
 
 
 class ImplementationLoadError(Exception):
