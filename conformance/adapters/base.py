@@ -39,10 +39,14 @@ AUTO_WRAP = "auto-wrap"  # applies a wrap plan (reference.wrap policies)
 TRAINING = "training"  # forward/backward/optimizer steps
 # API-level capabilities: the adapter's ``ns`` attribute is a module exposing upstream's public API
 # with upstream's semantics, so checks of API behaviour (states, methods, errors) can call it directly.
-FSDP2_API = "fsdp2-api"  # ns.fully_shard, ns.FSDPModule, ns.MixedPrecisionPolicy, ns.CPUOffloadPolicy
+FSDP2_API = (
+    "fsdp2-api"  # ns.fully_shard, ns.FSDPModule, ns.MixedPrecisionPolicy, ns.CPUOffloadPolicy
+)
 FSDP1_API = "fsdp1-api"  # ns.FullyShardedDataParallel, ns.StateDictType, the configs, ns.wrap
 
-ALL_CAPABILITIES = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
+ALL_CAPABILITIES = frozenset(
+    v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
+)
 
 
 class NotSupported(Exception):
@@ -135,8 +139,10 @@ def plan_entries(plan) -> list[tuple[str, dict]]:
     """``(module_fqn, kwargs)`` pairs of a wrap plan, children first; ``None`` = the root alone."""
     if plan is None:
         return [("", {})]
-    return [(e.module_fqn, dict(e.kwargs)) if hasattr(e, "module_fqn") else (e[0], dict(e[1]))
-            for e in getattr(plan, "entries", plan)]  # WrapPlanEntry objects or (fqn, kwargs)
+    return [
+        (e.module_fqn, dict(e.kwargs)) if hasattr(e, "module_fqn") else (e[0], dict(e[1]))
+        for e in getattr(plan, "entries", plan)
+    ]  # WrapPlanEntry objects or (fqn, kwargs)
 
 
 def clean_fqn(name: str) -> str:

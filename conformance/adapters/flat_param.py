@@ -16,22 +16,44 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.adapters.base import Implementation, NotSupported, ShardView, clean_fqn, plan_entries
+from conformance.adapters.base import (
+    Implementation,
+    NotSupported,
+    ShardView,
+    clean_fqn,
+    plan_entries,
+)
 
 _KNOWN_OPTIONS = {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules"}
 _KIND = {"full": "FULL_STATE_DICT", "sharded": "SHARDED_STATE_DICT", "local": "LOCAL_STATE_DICT"}
-_CONFIG = {"full": "FullStateDictConfig", "sharded": "ShardedStateDictConfig",
-           "local": "LocalStateDictConfig"}
+_CONFIG = {
+    "full": "FullStateDictConfig",
+    "sharded": "ShardedStateDictConfig",
+    "local": "LocalStateDictConfig",
+}
 
 
 class FlatParamAdapter(Implementation):
-    capabilities: ClassVar[frozenset[str]] = frozenset({
-        base.FLAT_PARAM, base.PADDED_STORAGE, base.MIXED_PRECISION, base.FULL_STATE_DICT,
-        base.SHARDED_STATE_DICT, base.LOCAL_STATE_DICT, base.AUTO_WRAP, base.TRAINING, base.FSDP1_API,
-    })
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {
+            base.FLAT_PARAM,
+            base.PADDED_STORAGE,
+            base.MIXED_PRECISION,
+            base.FULL_STATE_DICT,
+            base.SHARDED_STATE_DICT,
+            base.LOCAL_STATE_DICT,
+            base.AUTO_WRAP,
+            base.TRAINING,
+            base.FSDP1_API,
+        }
+    )
 
-    def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,
-                 version: str | None = None):
+    def __init__(
+        self,
+        namespace: str = "torch.distributed.fsdp",
+        name: str | None = None,
+        version: str | None = None,
+    ):
         self.namespace = namespace
         self.ns = importlib.import_module(namespace)
         self.FSDP = self.ns.FullyShardedDataParallel
@@ -62,7 +84,8 @@ class FlatParamAdapter(Implementation):
         children = {module.get_submodule(fqn): extra for fqn, extra in entries if fqn != ""}
         if children:
             kwargs["auto_wrap_policy"] = self.ns.wrap.CustomPolicy(
-                lambda m: children.get(m, {}) or (m in children))
+                lambda m: children.get(m, {}) or (m in children)
+            )
         return self.FSDP(module, **{**kwargs, **root_extra})
 
     # -------------------------------------------------------------------------------- layout
@@ -77,8 +100,10 @@ class FlatParamAdapter(Implementation):
         return out
 
     def flat_shards(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-        return [([_join(prefix, f) for f in flat._fqns], flat.detach())
-                for prefix, flat in self._flat_params(module)]
+        return [
+            ([_join(prefix, f) for f in flat._fqns], flat.detach())
+            for prefix, flat in self._flat_params(module)
+        ]
 
     def local_shards(self, module: nn.Module) -> dict[str, ShardView]:
         views = {}
@@ -86,7 +111,9 @@ class FlatParamAdapter(Implementation):
             for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
                 full = _join(prefix, fqn)
                 if info.in_shard:
-                    local = flat.detach()[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
+                    local = flat.detach()[
+                        info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+                    ]
                     offset = info.intra_param_start_idx
                 else:
                     local, offset = flat.detach()[:0], 0
@@ -101,8 +128,15 @@ class FlatParamAdapter(Implementation):
         with self.FSDP.state_dict_type(module, getattr(self.ns.StateDictType, _KIND[kind]), cfg):
             return module.state_dict()
 
-    def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", *,
-                        strict: bool = True, **config):
+    def load_state_dict(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        kind: str = "full",
+        *,
+        strict: bool = True,
+        **config,
+    ):
         if kind not in _KIND:
             raise NotSupported(f"load {kind} state dict")
         cfg = getattr(self.ns, _CONFIG[kind])(**config)
@@ -111,4 +145,5 @@ class FlatParamAdapter(Implementation):
 
 
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    """The clean FQN of a flattened parameter (no wrapper prefixes, e.g. from checkpoint_wrapper)."""
+    return clean_fqn(f"{prefix}.{name}" if prefix else name)

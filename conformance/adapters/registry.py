@@ -99,17 +99,17 @@ def load_implementation(spec: str) -> Implementation:
             known = sorted(BUILTINS) + sorted(_entry_points())
             raise ImplementationLoadError(
                 f"unknown implementation {spec!r}: use one of {', '.join(known)}, an entry point of "
-                f"group {ENTRY_POINT_GROUP!r}, or 'package.module:attr'")
-        if isinstance(obj, type) and issubclass(obj, Implementation):
-            obj = obj()
-        elif callable(obj) and not isinstance(obj, Implementation):
+                f"group {ENTRY_POINT_GROUP!r}, or 'package.module:attr'"
+            )
+        if isinstance(obj, type) and issubclass(obj, Implementation) or callable(obj) and not isinstance(obj, Implementation):
             obj = obj()
     except ImplementationLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - the message carries the cause
         raise ImplementationLoadError(
             f"could not load implementation {spec!r}: {type(exc).__name__}: {exc}\n"
-            + "".join(traceback.format_exception(exc)[-6:])) from exc
+            + "".join(traceback.format_exception(exc)[-6:])
+        ) from exc
     _validate(spec, obj)
     return obj
 
@@ -122,8 +122,11 @@ def _validate(spec: str, impl) -> None:
     if not problems:
         unknown = set(impl.capabilities) - ALL_CAPABILITIES
         if unknown:
-            problems.append(f"unknown capabilities {sorted(unknown)} (known: {sorted(ALL_CAPABILITIES)})")
+            problems.append(
+                f"unknown capabilities {sorted(unknown)} (known: {sorted(ALL_CAPABILITIES)})"
+            )
     if problems:
         raise ImplementationLoadError(
             f"implementation {spec!r} ({type(impl).__name__}) is not a valid adapter: "
-            + "; ".join(problems))
+            + "; ".join(problems)
+        )
