@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,8 +217,9 @@ def pytest_configure(config):
     if session.is_reporter and not getattr(config.option, "xmlpath", None):
         reports_dir.mkdir(parents=True, exist_ok=True)
         config.option.xmlpath = str(reports_dir / "conformance.xml")
-    if not session.is_reporter:  # under torchrun only rank 0 reports
+    if not session.is_reporter:  # under torchrun only rank 0 reports; the others print nothing
         config.option.xmlpath = None
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - read by the terminal reporter, made next
 
 
 def pytest_unconfigure(config):
@@ -394,14 +396,8 @@ def report_outcome(report) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    config = session.config
-    config.pluginmanager.register(_Recorder(config), "fsdp-conformance-recorder")
-    if not _session(config).is_reporter:  # under torchrun the other ranks stay quiet
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            config.pluginmanager.unregister(reporter)
+    session.config.pluginmanager.register(_Recorder(session.config), "fsdp-conformance-recorder")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
