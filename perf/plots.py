@@ -36,18 +36,26 @@ def write(records, out_dir: Path) -> list[Path]:
                 if r["world_size"] == ws:
                     lines[(r["impl"], r["shape_set"])].append(r)
             fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
+            # colour = implementation, line style and marker = shape set: each line is unique
+            impls = sorted({impl for impl, _ in lines})
+            shape_sets = sorted({shape_set for _, shape_set in lines})
             for (impl, shape_set), rs in sorted(lines.items()):
                 rs.sort(key=lambda r: r["size_mb"])
                 mb = [r["size_mb"] for r in rs]
                 label = f"{impl} / {shape_set}"
-                ax_t.plot(mb, [r["median_s"] * 1e3 for r in rs], marker="o", label=label)
+                style = {
+                    "color": f"C{impls.index(impl) % 10}",
+                    "linestyle": ("-", "--", ":", "-.")[shape_sets.index(shape_set) % 4],
+                    "marker": ("o", "s", "^", "D")[shape_sets.index(shape_set) % 4],
+                }
+                ax_t.plot(mb, [r["median_s"] * 1e3 for r in rs], label=label, **style)
                 ratios = [r.get("ratio_to_floor") for r in rs]
                 if any(x is not None for x in ratios):
                     ax_r.plot(
                         mb,
                         [x if x is not None else float("nan") for x in ratios],
-                        marker="o",
                         label=label,
+                        **style,
                     )
             ax_t.set(
                 xscale="log",
