@@ -537,6 +537,8 @@ def _finish(session) -> None:
     }
     path = report.write(perf.records, out / ("perf-quick.md" if perf.quick else "perf.md"), meta)
     perf.notes.append(f"report: {path}")
+    if not perf.quick:  # the ratio tables and the targets, printed at the end of the run
+        perf.summary = report.terminal_tables(perf.records)
     if not perf.quick:
         try:
             from perf import plots
@@ -549,5 +551,10 @@ def _finish(session) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _KEY in config.stash:
+        summary = getattr(config.stash[_KEY], "summary", None)
+        if summary:
+            terminalreporter.section("fsdp perf: ratio tables (full report in perf.md)")
+            for line in summary.splitlines():
+                terminalreporter.write_line(line)
         for note in config.stash[_KEY].notes:
             terminalreporter.write_line(f"fsdp perf: {note}")

@@ -118,6 +118,12 @@ def render(records, meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def terminal_tables(records) -> str:
+    """The all-gather ratio tables and the reference's standing against its targets (markdown)."""
+    ix = Index(records)
+    return "\n".join(_allgather(ix) + _targets(ix))
+
+
 # ------------------------------------------------------------------------------------ all-gather
 def _allgather(ix: Index) -> list[str]:
     out = ["## All-gather path", ""]
