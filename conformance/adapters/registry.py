@@ -52,7 +52,7 @@ def _reference_fsdp1():
 def _reference_version() -> str:
     import torch
 
-    return f"reference (on torch {torch.__version__})"
+    return f"project reference, on torch {torch.__version__}"
 
 
 BUILTINS = {
