@@ -135,6 +135,37 @@ class Implementation:
         return f"<{type(self).__name__} {self.name} {self.version}>"
 
 
+class NamespaceImplementation(Implementation):
+    """An implementation that keeps upstream's public API in one module (``namespace``), such as
+    ``torch.distributed.fsdp`` or ``reference``: checks of API behaviour reach it as ``self.ns``."""
+
+    known_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self,
+        namespace: str = "torch.distributed.fsdp",
+        name: str | None = None,
+        version: str | None = None,
+    ):
+        import importlib
+
+        self.namespace = namespace
+        self.ns = importlib.import_module(namespace)
+        if name is not None:
+            self.name = name
+        self._version = version
+
+    @property
+    def version(self) -> str:
+        return self._version or f"torch {torch.__version__}"
+
+    def check_options(self, options: dict) -> None:
+        """Raise :class:`NotSupported` for a ``shard`` option this adapter does not know."""
+        unknown = set(options) - self.known_options
+        if unknown:
+            raise NotSupported(f"option(s) {sorted(unknown)}")
+
+
 def plan_entries(plan) -> list[tuple[str, dict]]:
     """``(module_fqn, kwargs)`` pairs of a wrap plan, children first; ``None`` = the root alone."""
     if plan is None:

@@ -9,7 +9,6 @@ intra_param_end_idx).
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar
 
 import torch
@@ -17,14 +16,13 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import (
-    Implementation,
+    NamespaceImplementation,
     NotSupported,
     ShardView,
     clean_fqn,
     plan_entries,
 )
 
-_KNOWN_OPTIONS = {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules"}
 _KIND = {"full": "FULL_STATE_DICT", "sharded": "SHARDED_STATE_DICT", "local": "LOCAL_STATE_DICT"}
 _CONFIG = {
     "full": "FullStateDictConfig",
@@ -33,7 +31,7 @@ _CONFIG = {
 }
 
 
-class FlatParamAdapter(Implementation):
+class FlatParamAdapter(NamespaceImplementation):
     capabilities: ClassVar[frozenset[str]] = frozenset(
         {
             base.FLAT_PARAM,
@@ -47,29 +45,17 @@ class FlatParamAdapter(Implementation):
             base.FSDP1_API,
         }
     )
-
-    def __init__(
-        self,
-        namespace: str = "torch.distributed.fsdp",
-        name: str | None = None,
-        version: str | None = None,
-    ):
-        self.namespace = namespace
-        self.ns = importlib.import_module(namespace)
-        self.FSDP = self.ns.FullyShardedDataParallel
-        if name is not None:
-            self.name = name
-        self._version = version
+    known_options: ClassVar[frozenset[str]] = frozenset(
+        {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules"}
+    )
 
     @property
-    def version(self) -> str:
-        return self._version or f"torch {torch.__version__}"
+    def FSDP(self):  # noqa: N802 - upstream's class name
+        return self.ns.FullyShardedDataParallel
 
     # -------------------------------------------------------------------------------- sharding
     def shard(self, module: nn.Module, ctx, *, plan=None, **options) -> nn.Module:
-        unknown = set(options) - _KNOWN_OPTIONS
-        if unknown:
-            raise NotSupported(f"option(s) {sorted(unknown)}")
+        self.check_options(options)
         if options.get("cpu_offload"):
             raise NotSupported("cpu_offload (FSDP1 CPUOffload needs an accelerator)")
         kwargs = {"use_orig_params": bool(options.get("use_orig_params", False))}

@@ -7,43 +7,28 @@ fork that keeps the same public names: point ``namespace`` at the module that ex
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.adapters.base import Implementation, NotSupported, ShardView, plan_entries
-
-_KNOWN_OPTIONS = {"reshard_after_forward", "mixed_precision", "cpu_offload", "shard_placement_fn",
-                  "mesh"}
+from conformance.adapters.base import NamespaceImplementation, NotSupported, ShardView, plan_entries
 
 
-class FullyShardAdapter(Implementation):
+class FullyShardAdapter(NamespaceImplementation):
     capabilities: ClassVar[frozenset[str]] = frozenset({
         base.PER_PARAM_DIM0, base.PADDED_STORAGE, base.DTENSOR_PARAMS, base.SHARD_PLACEMENT_FN,
         base.RESHARD_AFTER_FORWARD, base.MIXED_PRECISION, base.CPU_OFFLOAD, base.HSDP,
         base.EXTENSIONS, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING, base.FSDP2_API,
     })
-
-    def __init__(self, namespace: str = "torch.distributed.fsdp", name: str | None = None,
-                 version: str | None = None):
-        self.namespace = namespace
-        self.ns = importlib.import_module(namespace)
-        if name is not None:
-            self.name = name
-        self._version = version
-
-    @property
-    def version(self) -> str:
-        return self._version or f"torch {torch.__version__}"
+    known_options: ClassVar[frozenset[str]] = frozenset(
+        {"reshard_after_forward", "mixed_precision", "cpu_offload", "shard_placement_fn", "mesh"}
+    )
 
     # -------------------------------------------------------------------------------- sharding
     def shard_kwargs(self, ctx, options: dict) -> dict:
-        unknown = set(options) - _KNOWN_OPTIONS
-        if unknown:
-            raise NotSupported(f"option(s) {sorted(unknown)}")
+        self.check_options(options)
         kwargs = {"mesh": options.get("mesh") or ctx.mesh}
         if "reshard_after_forward" in options:
             kwargs["reshard_after_forward"] = options["reshard_after_forward"]
