@@ -24,6 +24,7 @@ doubling rule) and a post-divide ``N / pre``. A custom ``gradient_divide_factor`
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -46,10 +47,7 @@ class AllGatherResult(NamedTuple):
 
 @torch.no_grad()
 def foreach_all_gather(
-    fsdp_params: list[FSDPParam],
-    group: dist.ProcessGroup,
-    async_op: bool,
-    device: torch.device,
+    fsdp_params: list[FSDPParam], group: dist.ProcessGroup, async_op: bool, device: torch.device
 ) -> AllGatherResult:
     """Copy-in every parameter's inputs into this rank's row, then all-gather once."""
     world_size, rank = group.size(), group.rank()
@@ -80,11 +78,8 @@ def foreach_all_gather_copy_out(
     world_size, output = group.size(), result.all_gather_output
     destinations: list[torch.Tensor] = []
     non_dim0: list[tuple[FSDPParam, list[torch.Tensor]]] = []
-    for numels, dtypes, fsdp_param in zip(
-        result.param_all_gather_input_numels,
-        result.param_all_gather_input_dtypes,
-        fsdp_params,
-    ):
+    numels_dtypes = zip(result.param_all_gather_input_numels, result.param_all_gather_input_dtypes)
+    for (numels, dtypes), fsdp_param in zip(numels_dtypes, fsdp_params):
         fsdp_param.init_all_gather_outputs(numels, dtypes, world_size, output.device)
         fsdp_param.alloc_all_gather_outputs()
         outs = fsdp_param.all_gather_outputs
@@ -99,12 +94,8 @@ def foreach_all_gather_copy_out(
     # counters that autograd checks for tensors it saved in forward.
     tracked = tuple(v for v in views if not v.is_inference())
     with torch.autograd._unsafe_preserve_version_counter(tracked) if tracked else nullcontext():
-        torch.split_with_sizes_copy(
-            output.view(world_size, -1),
-            result.all_gather_input_split_sizes,
-            dim=1,
-            out=views,
-        )
+        split_sizes = result.all_gather_input_split_sizes
+        torch.split_with_sizes_copy(output.view(world_size, -1), split_sizes, dim=1, out=views)
     for fsdp_param, temps in non_dim0:
         shard_dim = fsdp_param.fsdp_placement.dim
         padded = list(fsdp_param.padded_sharded_param_size)
@@ -127,73 +118,52 @@ def foreach_reduce(
     device: torch.device,
     gradient_divide_factor: float | None,
     all_reduce_group: dist.ProcessGroup | None,  # set iff HSDP
-    all_reduce_grads: bool,
-    partial_reduce_output: torch.Tensor | None,  # HSDP: accumulated without all-reduce
-) -> torch.Tensor | None:
-    """Reduce-scatter the group's gradients and install them as sharded DTensor grads.
-
-    Returns the HSDP partial output to carry to the next backward when ``all_reduce_grads`` is
-    off, else ``None``. ``unsharded_grads`` is consumed (cleared) to free the full gradients.
-    """
-    grad_dtypes = {grad.dtype for grad in unsharded_grads}
-    if len(grad_dtypes) != 1:
-        raise AssertionError(
-            f"FSDP reduce-scatter expects uniform gradient dtype but got {grad_dtypes}"
-        )
+) -> None:
+    """Reduce-scatter the group's gradients (HSDP: then all-reduce them) and accumulate them
+    into the sharded parameters' DTensor ``.grad``. ``unsharded_grads`` is cleared on the way, so
+    that the full gradients are freed as soon as the reduce-scatter input holds them."""
+    if len(grad_dtypes := {grad.dtype for grad in unsharded_grads}) != 1:
+        raise AssertionError(f"FSDP reduce-scatter expects uniform gradient dtype but got {grad_dtypes}")
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     predivide, postdivide, rs_op, ar_op = _get_gradient_divide_factors(
         reduce_scatter_group, all_reduce_group, reduce_dtype, gradient_divide_factor
     )
     world_size = reduce_scatter_group.size()
-    if world_size > 1:  # bring Shard(d != 0) grads into the dim-0 chunk layout
-        for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
-            if (shard_dim := fsdp_param.fsdp_placement.dim) != 0:
-                unsharded_grads[i] = torch.cat(torch.chunk(grad, world_size, shard_dim), dim=0)
+    for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
+        if (shard_dim := fsdp_param.fsdp_placement.dim) != 0:  # into the dim-0 chunk layout
+            unsharded_grads[i] = torch.cat(torch.chunk(grad, world_size, shard_dim), dim=0)
     padded_sizes = [dim0_padded_size(grad.size(), world_size) for grad in unsharded_grads]
-    input_numel = sum(torch.Size(s).numel() for s in padded_sizes)
+    input_numel = sum(math.prod(s) for s in padded_sizes)
     reduce_scatter_input = torch.empty(input_numel, dtype=reduce_dtype, device=device)
     torch._chunk_cat(unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1))
     unsharded_grads.clear()
-    reduce_output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:
-        dist.reduce_scatter_single(
-            reduce_output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group
-        )
-    elif gradient_divide_factor is not None:
-        reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)
-    else:
-        reduce_output.copy_(reduce_scatter_input)
+        output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
+        dist.reduce_scatter_single(output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group)
+    elif gradient_divide_factor is not None and predivide is None:  # what PREMUL_SUM would do
+        output = reduce_scatter_input / gradient_divide_factor
+    else:  # one rank: SUM and AVG leave the input as it is
+        output = reduce_scatter_input
     if all_reduce_group is not None:
-        if not all_reduce_grads:  # HSDP gradient accumulation without the all-reduce
-            if partial_reduce_output is not None:
-                partial_reduce_output += reduce_output
-                return partial_reduce_output
-            return reduce_output
-        if partial_reduce_output is not None:
-            reduce_output += partial_reduce_output
-        dist.all_reduce(reduce_output, op=ar_op, group=all_reduce_group)
-    _div_if_needed(reduce_output, postdivide)
-    reduce_output = _to_dtype_if_needed(reduce_output, orig_dtype)
+        dist.all_reduce(output, op=ar_op, group=all_reduce_group)
+    _div_if_needed(output, postdivide)
+    output = _to_dtype_if_needed(output, orig_dtype)
     offset = 0
     for padded_size, fsdp_param in zip(padded_sizes, fsdp_params):
+        sharded_param = fsdp_param.sharded_param
         new_grad = torch.as_strided(
-            reduce_output,
-            size=fsdp_param.sharded_size,
-            stride=fsdp_param.contiguous_sharded_stride,
-            storage_offset=offset,
+            output, fsdp_param.sharded_size, fsdp_param.contiguous_sharded_stride, offset
         )
         if fsdp_param.offload_to_cpu:
             new_grad = new_grad.to(torch.device("cpu"))
-        sharded_param = fsdp_param.sharded_param
         if sharded_param.grad is not None:
             sharded_param.grad._local_tensor += new_grad
         else:
             sharded_param.grad = fsdp_param.to_sharded_dtensor(new_grad)
         for hook in (getattr(sharded_param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(sharded_param)
-        offset += torch.Size(padded_size).numel() // world_size
-    return None
+        offset += math.prod(padded_size) // world_size
 
 
 def _get_gradient_divide_factors(

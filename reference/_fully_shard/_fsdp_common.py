@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,28 +25,24 @@ class FSDPMeshInfo:
     """A mesh plus the dim parameters are sharded over (``shard_mesh_dim``)."""
 
     mesh: DeviceMesh
-    shard_mesh_dim: int | None = None
-    replicate_mesh_dim: int | None = None
+    shard_mesh_dim: int
 
     def __post_init__(self) -> None:
-        if self.shard_mesh_dim is None:
-            raise AssertionError("Expects non-None shard_mesh_dim")
-        self.shard_mesh_size: int = self.mesh.size(self.shard_mesh_dim)
-        self.shard_process_group: dist.ProcessGroup = self.mesh.get_group(self.shard_mesh_dim)
-        self.shard_mesh_rank: int = self.shard_process_group.rank()
+        self.shard_mesh_size = self.mesh.size(self.shard_mesh_dim)
+        self.shard_process_group = self.mesh.get_group(self.shard_mesh_dim)
+        self.shard_mesh_rank = self.shard_process_group.rank()
 
 
 @dataclass
 class HSDPMeshInfo(FSDPMeshInfo):
     """An :class:`FSDPMeshInfo` that also replicates over ``replicate_mesh_dim`` (HSDP)."""
 
+    replicate_mesh_dim: int
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.replicate_mesh_dim is None:
-            raise AssertionError("Expects non-None replicate_mesh_dim")
-        self.replicate_mesh_size: int = self.mesh.size(self.replicate_mesh_dim)
+        self.replicate_mesh_size = self.mesh.size(self.replicate_mesh_dim)
         self.replicate_process_group = self.mesh.get_group(self.replicate_mesh_dim)
-        self.replicate_mesh_rank: int = self.replicate_process_group.rank()
 
 
 class TrainingState(Enum):
@@ -60,9 +55,7 @@ class TrainingState(Enum):
 
 
 def _to_dtype_if_needed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is not None and tensor.dtype != dtype:
-        return tensor.to(dtype)
-    return tensor
+    return tensor.to(dtype) if dtype is not None and tensor.dtype != dtype else tensor
 
 
 def _cast_fp_tensor(dtype: torch.dtype, x: object) -> object:
@@ -98,11 +91,3 @@ def free_storage(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s memory while keeping the tensor (and its views) alive."""
     if (storage := tensor.untyped_storage()).size() != 0:
         storage.resize_(0)
-
-
-def unsafe_setattr_param(module: nn.Module, param_name: str, param: nn.Parameter) -> None:
-    """Swap a registered parameter, bypassing ``nn.Module.__setattr__`` checks when possible."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
-        module._parameters[param_name] = param
-    else:  # a module overriding __setattr__ gets the slow path
-        setattr(module, param_name, param)

@@ -39,10 +39,6 @@ class ExtensionsData:
     all_gather_metadata: Any | None = None
     all_gather_input_sizes: list[torch.Size] = field(default_factory=list)  # ND
 
-    def clear(self) -> None:
-        self.all_gather_metadata = None
-        self.all_gather_input_sizes = []
-
 
 def has_extensions(local_tensor: torch.Tensor) -> bool:
     """Whether ``local_tensor`` defines the hooks (raises if it defines only one of them)."""
@@ -58,7 +54,7 @@ def has_extensions(local_tensor: torch.Tensor) -> bool:
 def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> list[torch.Tensor]:
     """Call the pre hook in the form it declares and return the 1-D all-gather inputs."""
     signature = inspect.signature(local.fsdp_pre_all_gather)
-    mesh = fsdp_param.shard_mesh_from_root
+    mesh = fsdp_param.shard_mesh
     if len(signature.parameters) == 1:
         inputs, metadata = local.fsdp_pre_all_gather(mesh)
     elif len(signature.parameters) == 5:
@@ -95,17 +91,14 @@ def post_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> torch.Tensor 
         t.view(-1, *s[1:])
         for t, s in zip(fsdp_param.all_gather_outputs, data.all_gather_input_sizes)
     )
-    dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+    dtype, metadata = fsdp_param.param_dtype or fsdp_param.orig_dtype, data.all_gather_metadata
+    fsdp_param._extensions_data = ExtensionsData()
     if hasattr(fsdp_param, "_unsharded_param"):
         for tensor in fsdp_param._unsharded_inner_tensors:
             alloc_storage(tensor)
-        local.fsdp_post_all_gather(
-            outputs, data.all_gather_metadata, dtype, out=fsdp_param._unsharded_param
-        )
-        data.clear()
+        local.fsdp_post_all_gather(outputs, metadata, dtype, out=fsdp_param._unsharded_param)
         return None
     unsharded, fsdp_param._unsharded_inner_tensors = local.fsdp_post_all_gather(
-        outputs, data.all_gather_metadata, dtype
+        outputs, metadata, dtype
     )
-    data.clear()
     return unsharded

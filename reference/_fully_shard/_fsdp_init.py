@@ -36,16 +36,14 @@ def _validate_module(module: nn.Module | list[nn.Module], func_name: str) -> Non
             )
 
 
-def _validate_mesh(mesh: DeviceMesh) -> None:
+def _get_mesh_info(mesh: DeviceMesh) -> FSDPMeshInfo:
+    """Validate the mesh: 1-D is FSDP, 2-D (with dim names) is HSDP (replicate, shard)."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
-
-
-def _get_mesh_info(mesh: DeviceMesh) -> FSDPMeshInfo:
     if mesh.ndim == 1:
         return FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    if mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
@@ -74,17 +72,12 @@ def _get_post_forward_mesh_info(
             reshard_after_forward = False
         elif raf == shard_size:
             reshard_after_forward = True
-    if reshard_after_forward is True:
-        return mesh_info
-    if reshard_after_forward is False:
-        return None
+    if isinstance(reshard_after_forward, bool):
+        return mesh_info if reshard_after_forward else None
     # An int: rows of `reshard_after_forward` consecutive ranks shard, columns replicate.
     groups = mesh_info.mesh.mesh.view(-1, reshard_after_forward)
-    return HSDPMeshInfo(
-        DeviceMesh(mesh_info.mesh.device_type, groups),
-        shard_mesh_dim=1,
-        replicate_mesh_dim=0,
-    )
+    mesh = DeviceMesh(mesh_info.mesh.device_type, groups)
+    return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
 def _init_default_mesh() -> DeviceMesh:
@@ -141,26 +134,21 @@ def _is_fully_ignored(module: nn.Module, ignored: set, decisions: dict) -> bool:
 def _get_managed_states(
     modules: list[nn.Module], ignored_params: set[nn.Parameter] | None
 ) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-    params: list[nn.Parameter] = []
-    buffers: list[torch.Tensor] = []
-    seen_params, seen_buffers = set(), set()
+    """The modules' parameters (minus ignored ones) and buffers, each once, in order."""
     ignored = ignored_params or set()
+    params, buffers = {}, {}  # dicts as ordered sets
     for module in modules:
         for name, param in module.named_parameters(recurse=False):
-            if param in ignored or param in seen_params:
+            if param in ignored:
                 continue
             if param.ndim == 0:
                 raise ValueError(
                     "fully_shard doesn't support scalar parameters. "
                     f"Change {name} to a 1D tensor with numel equal to 1."
                 )
-            params.append(param)
-            seen_params.add(param)
-        for buffer in module.buffers(recurse=False):
-            if buffer not in seen_buffers:
-                buffers.append(buffer)
-                seen_buffers.add(buffer)
-    return params, buffers
+            params[param] = None
+        buffers.update(dict.fromkeys(module.buffers(recurse=False)))
+    return list(params), list(buffers)
 
 
 def _move_states_to_device(

@@ -28,7 +28,6 @@ alias valid; unsharding resizes the storage back before the copy-out writes into
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -46,7 +45,6 @@ from ._fsdp_common import (
     _to_dtype_if_needed,
     alloc_storage,
     free_storage,
-    unsafe_setattr_param,
 )
 from ._fsdp_extensions import ExtensionsData, has_extensions, post_all_gather, pre_all_gather
 from ._fsdp_init import _resolve_shard_placement
@@ -56,26 +54,18 @@ from ._shard_math import contiguous_strides, padded_sharded_size, shard_offset, 
 class ShardedState(Enum):
     """Which of a parameter's forms is registered on its module."""
 
-    SHARDED = auto()
-    """The sharded ``DTensor`` parameter is registered; it is the only parameter memory held."""
-
+    SHARDED = auto()  # the sharded DTensor: the only parameter memory held
+    # After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group,
+    # a DTensor on a 2-D mesh ``(Replicate(), Shard(0))``; not for computation or in-place edits.
     SHARDED_POST_FORWARD = auto()
-    """After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group
-    is registered (a ``DTensor`` on a 2-D mesh, ``(Replicate(), Shard(0))``). It is not meant for
-    computation or in-place edits; both it and the sharded parameter hold memory."""
-
-    UNSHARDED = auto()
-    """The full unsharded parameter (a plain tensor) is registered, for forward/backward; both it
-    and the sharded parameter hold memory."""
+    UNSHARDED = auto()  # the full unsharded parameter (a plain tensor), for forward/backward
 
 
 @dataclass
 class ParamModuleInfo:
-    """Where a parameter lives: ``setattr(module, param_name, p)`` swaps it.
-
-    A parameter reached through several modules (a shared module, or a tied parameter) records
-    the other owners in ``shared_modules`` / ``shared_param_names`` so that every alias is swapped.
-    """
+    """Where a parameter lives: ``module._parameters[param_name]``. A parameter reached through
+    several modules (a shared module or a tied weight) lists the other owners in
+    ``shared_modules`` / ``shared_param_names``, so that every alias is swapped together."""
 
     module: nn.Module
     param_name: str
@@ -88,28 +78,10 @@ class FSDPParam:
 
     Construction validates and shards but does not touch the module; the owning group registers
     the sharded parameter with :meth:`_attach_to_module` once every parameter of the group has
-    been built, so that a bad parameter leaves the module as it was.
+    been built, so that a bad parameter leaves the module as it was. Sizes are ``torch.Size``:
+    ``_orig_size`` (global), ``sharded_size`` (this rank's chunk, 0 on the shard dim if empty) and
+    ``padded_sharded_param_size`` (chunk 0's, the size of ``_sharded_param_data``).
     """
-
-    orig_dtype: torch.dtype
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    fsdp_placement: Shard
-    _orig_size: torch.Size  # ND, the original parameter's global size
-    _contiguous_orig_stride: tuple[int, ...]
-    sharded_size: torch.Size  # ND, this rank's chunk (0 along the shard dim if empty)
-    contiguous_sharded_stride: tuple[int, ...]
-    padded_sharded_param_size: torch.Size  # ND, chunk 0's size
-    sharded_post_forward_size: torch.Size  # ND
-    contiguous_sharded_post_forward_stride: tuple[int, ...]
-    _sharded_param_data: torch.Tensor  # 1D, padded_sharded_param_size.numel() elements
-    sharded_param: nn.Parameter  # ND, DTensor with the original global size and stride
-    _sharded_post_forward_param_data: torch.Tensor | None  # 1D
-    _sharded_post_forward_param: nn.Parameter | None  # ND
-    _unsharded_param: nn.Parameter  # ND, original size
-    unsharded_accumulated_grad: torch.Tensor | None  # ND
-    _sharding_spec: DTensorSpec
-    all_gather_outputs: list[torch.Tensor]  # 1D, world_size * input numel each
 
     def __init__(
         self,
@@ -118,89 +90,65 @@ class FSDPParam:
         mesh_info: FSDPMeshInfo,
         post_forward_mesh_info: FSDPMeshInfo | None,
         device: torch.device,
-        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+        shard_placement_fn,
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
     ):
         self._module_info = module_info
-        self.mesh_info = mesh_info
-        self.post_forward_mesh_info = post_forward_mesh_info
-        self.device = device
-        self.mp_policy = mp_policy
-        self.offload_to_cpu: bool = isinstance(offload_policy, CPUOffloadPolicy)
-        self.pin_memory: bool = self.offload_to_cpu and offload_policy.pin_memory
-        self._init_sharded_param(param, device, shard_placement_fn)
-        if self.post_forward_mesh_info is not None:
-            self._init_sharded_post_forward_param_metadata(param)
-        self._init_extensions()
-        self.all_gather_outputs = []
-        self.unsharded_accumulated_grad = None
-        self._sharded_post_forward_param_data = None
-        self._sharded_post_forward_param = None
+        self.mesh_info, self.post_forward_mesh_info = mesh_info, post_forward_mesh_info
+        self.device, self.mp_policy = device, mp_policy
+        self.offload_to_cpu = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload_to_cpu and offload_policy.pin_memory
+        self.all_gather_outputs: list[torch.Tensor] = []  # 1-D, world_size * input numel each
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self._sharded_post_forward_param_data: torch.Tensor | None = None  # 1-D
+        self._sharded_post_forward_param: nn.Parameter | None = None
         self._param_fqn: str | None = None  # set at the root's lazy init
-        self._post_load_hook_handle = None
+        self._init_sharded_param(param, shard_placement_fn)
+        self._init_extensions()
 
     # ---- construction -------------------------------------------------------------------
     @torch.no_grad()
-    def _init_sharded_param(self, param: nn.Parameter, device: torch.device, placement_fn) -> None:
-        placement = _resolve_shard_placement(param, placement_fn, self.mesh_info, device)
-        self.fsdp_placement = placement
-        shard_dim = placement.dim
+    def _init_sharded_param(self, param: nn.Parameter, placement_fn) -> None:
+        self.fsdp_placement = _resolve_shard_placement(param, placement_fn, self.mesh_info, self.device)
+        dim = self.fsdp_placement.dim
         ws, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
-        self.is_dtensor = False
         self._orig_param_uid = _get_orig_param_uid(param)
         self._orig_size = param.size()
         self._contiguous_orig_stride = contiguous_strides(self._orig_size)
-        placements = (Replicate(), placement) if self._is_hsdp else (placement,)
-        self._sharding_spec = DTensorSpec(
-            self.mesh_info.mesh,
-            placements,
-            tensor_meta=TensorMeta(param.size(), param.stride(), param.dtype),
-        )
-        # torch.chunk rule (see _shard_math): ceil(size / ws) per rank, the tail short or empty.
-        self.sharded_size = torch.Size(sharded_size(param.shape, ws, rank, shard_dim))
+        is_hsdp = isinstance(self.mesh_info, HSDPMeshInfo)
+        placements = (Replicate(), self.fsdp_placement) if is_hsdp else (self.fsdp_placement,)
+        meta = TensorMeta(param.size(), param.stride(), param.dtype)
+        self._sharding_spec = DTensorSpec(self.mesh_info.mesh, placements, tensor_meta=meta)
+        # The torch.chunk rule (see _shard_math): ceil(size / ws) per rank, the tail short or empty.
+        self.sharded_size = torch.Size(sharded_size(param.shape, ws, rank, dim))
         self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
-        self.padded_sharded_param_size = torch.Size(padded_sharded_size(param.shape, ws, shard_dim))
+        self.padded_sharded_param_size = torch.Size(padded_sharded_size(param.shape, ws, dim))
         padded = param.new_zeros(self.padded_sharded_param_size)
-        length = self.sharded_size[shard_dim]
+        length = self.sharded_size[dim]
         if length > 0:
-            start = shard_offset(param.shape, ws, rank, shard_dim)
-            padded.narrow(shard_dim, 0, length).copy_(param.narrow(shard_dim, start, length))
+            start = shard_offset(param.shape, ws, rank, dim)
+            padded.narrow(dim, 0, length).copy_(param.narrow(dim, start, length))
         if self.offload_to_cpu and not padded.is_meta:
             padded = padded.cpu()
             if self.pin_memory:
                 padded = padded.pin_memory()  # raises on a build without an accelerator
         self._sharded_param_data = padded.view(-1)
-        local = padded.narrow(shard_dim, 0, length)
-        if not local.is_contiguous():
-            raise AssertionError(f"Expected contiguous tensor with {self.fsdp_placement=}")
-        self.sharded_param = nn.Parameter(
-            self.to_sharded_dtensor(local), requires_grad=param.requires_grad
-        )
+        local = padded.narrow(dim, 0, length)  # contiguous: dims other than 0 divide evenly
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), param.requires_grad)
         self.sharded_state = ShardedState.SHARDED
-
-    def _init_sharded_post_forward_param_metadata(self, param: torch.Tensor) -> None:
-        info = self.post_forward_mesh_info
-        self.sharded_post_forward_size = torch.Size(
-            sharded_size(param.shape, info.shard_mesh_size, info.shard_mesh_rank, 0)
-        )
-        self.contiguous_sharded_post_forward_stride = contiguous_strides(
-            self.sharded_post_forward_size
-        )
 
     def _attach_to_module(self) -> None:
         """Register the sharded parameter on its module(s) and the post-load re-pad hook."""
         self._setattr_on_modules(self.sharded_param)
-        self._post_load_hook_handle = self._module_info.module.register_load_state_dict_post_hook(
+        self._module_info.module.register_load_state_dict_post_hook(
             lambda *args, **kwargs: self.reset_sharded_param()
         )
 
     def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
-        """Clamp the policy to this parameter (spec P5).
-
-        ``reduce_dtype`` equal to ``param_dtype`` becomes ``None``; ``param_dtype`` equal to the
-        original dtype, or on a non-floating parameter, becomes ``None``.
-        """
+        """Clamp the policy to this parameter (spec P5): ``reduce_dtype`` equal to ``param_dtype``
+        becomes ``None``; ``param_dtype`` equal to the original dtype, or on a non-floating
+        parameter, becomes ``None``."""
         param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
         self.orig_dtype = self.sharded_param.dtype
         if reduce_dtype == param_dtype:
@@ -214,20 +162,13 @@ class FSDPParam:
             self._extensions_data = ExtensionsData()
         self._unsharded_inner_tensors: list[torch.Tensor] = []
 
-    def init_all_gather_outputs(
-        self,
-        all_gather_input_numels: list[int],
-        all_gather_input_dtypes: list[torch.dtype],
-        world_size: int,
-        device: torch.device,
-    ) -> None:
+    def init_all_gather_outputs(self, numels: list[int], dtypes: list[torch.dtype],
+                                world_size: int, device: torch.device) -> None:
         """Allocate the 1-D all-gather outputs once; later unshards reuse them."""
-        if self.all_gather_outputs:
-            return
-        self.all_gather_outputs = [
-            torch.empty(numel * world_size, dtype=dtype, device=device)
-            for numel, dtype in zip(all_gather_input_numels, all_gather_input_dtypes)
-        ]
+        if not self.all_gather_outputs:
+            self.all_gather_outputs = [
+                torch.empty(n * world_size, dtype=d, device=device) for n, d in zip(numels, dtypes)
+            ]
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter on the first unshard (later unshards refill it)."""
@@ -240,12 +181,8 @@ class FSDPParam:
             return  # a view of all_gather_outputs[0], already refilled by the copy-out
         else:
             unsharded = self.all_gather_outputs[0]
-        unsharded = torch.as_strided(
-            unsharded, self._orig_size, self._contiguous_orig_stride, storage_offset=0
-        )
-        self._unsharded_param = nn.Parameter(
-            unsharded, requires_grad=self.sharded_param.requires_grad
-        )
+        unsharded = torch.as_strided(unsharded, self._orig_size, self._contiguous_orig_stride, 0)
+        self._unsharded_param = nn.Parameter(unsharded, self.sharded_param.requires_grad)
 
     # ---- state transitions --------------------------------------------------------------
     def to_sharded(self) -> None:
@@ -255,45 +192,28 @@ class FSDPParam:
         self.sharded_state = ShardedState.SHARDED
 
     def to_sharded_post_forward(self) -> None:
-        """Keep this rank's piece of the all-gather output for the smaller post-forward group."""
+        """Keep this rank's piece of the all-gather output for the smaller post-forward group.
+
+        ``_sharded_post_forward_param_data`` is this rank's 1/k of the padded all-gather output
+        (what the next all-gather over the k-rank group exchanges). The registered DTensor's local
+        tensor follows the chunk rule over k ranks; with an uneven dim 0 its rows need not start
+        where that piece does, and then it is a separate copy.
+        """
         self._assert_in_states(ShardedState.UNSHARDED)
-        info = self.post_forward_mesh_info
         if len(self.all_gather_outputs) != 1:
             raise NotImplementedError("Resharding to a smaller mesh needs one all-gather output")
-        numel = self.all_gather_outputs[0].numel()
-        if numel % info.shard_mesh_size != 0:
-            raise AssertionError(
-                f"All-gather output size ({numel}) must be divisible by the shard world size "
-                f"({info.shard_mesh_size})"
-            )
-        sharded_numel = numel // info.shard_mesh_size
-        start = sharded_numel * info.shard_mesh_rank
-        # Clone so that the full all-gather output can be freed. ``data`` is this rank's slice of
-        # the padded all-gather output: what the post-forward all-gather will exchange.
-        output = self.all_gather_outputs[0]
-        data = output.narrow(0, start, sharded_numel).clone()
-        self._sharded_post_forward_param_data = data
-        # The registered local tensor follows the chunk rule over the post-forward group (rows
-        # [j*ceil(d0/k), ...)), which is what its DTensor spec says. The all-gather output holds
-        # the original rows in order, then padding, so those rows start at ``row_start * row``.
-        # With uneven dim 0 they need not line up with ``data``: then they are a separate copy.
-        row = math.prod(self._orig_size[1:])
-        chunk = math.ceil(self._orig_size[0] / info.shard_mesh_size)
-        local_start = min(info.shard_mesh_rank * chunk, self._orig_size[0]) * row
-        local_numel = math.prod(self.sharded_post_forward_size)
-        if local_start == start and local_numel <= sharded_numel:
-            local = data[:local_numel].view(self.sharded_post_forward_size)
-        else:
-            local = output.narrow(0, local_start, local_numel).clone()
-            local = local.view(self.sharded_post_forward_size)
-        spec = DTensorSpec(
-            info.mesh,
-            (Replicate(), Shard(0)),
-            tensor_meta=self._sharding_spec.tensor_meta,
-        )
+        info, output = self.post_forward_mesh_info, self.all_gather_outputs[0]
+        k, j = info.shard_mesh_size, info.shard_mesh_rank
+        numel = output.numel() // k
+        self._sharded_post_forward_param_data = data = output.narrow(0, numel * j, numel).clone()
+        size = torch.Size(sharded_size(self._orig_size, k, j, 0))
+        dim0, row = self._orig_size[0], math.prod(self._orig_size[1:])
+        start = min(j * math.ceil(dim0 / k), dim0) * row
+        local = data if start == numel * j else output.narrow(0, start, size.numel()).clone()
+        spec = DTensorSpec(info.mesh, (Replicate(), Shard(0)), self._sharding_spec.tensor_meta)
+        local = local[: size.numel()].view(size)
         self._sharded_post_forward_param = nn.Parameter(
-            DTensor(local, spec, requires_grad=local.requires_grad),
-            requires_grad=self.sharded_param.requires_grad,
+            DTensor(local, spec, requires_grad=False), self.sharded_param.requires_grad
         )
         self._setattr_on_modules(self._sharded_post_forward_param)
         self.free_unsharded_param()
@@ -301,19 +221,16 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (its data must already be all-gathered)."""
-        if self._unsharded_param.requires_grad != self.sharded_param.requires_grad:
-            self._unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        self._unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         self._setattr_on_modules(self._unsharded_param)
-        if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            self._sharded_post_forward_param = None
-            self._sharded_post_forward_param_data = None
+        self._sharded_post_forward_param = self._sharded_post_forward_param_data = None
         self.sharded_state = ShardedState.UNSHARDED
 
     def _setattr_on_modules(self, param: nn.Parameter) -> None:
         info = self._module_info
-        unsafe_setattr_param(info.module, info.param_name, param)
+        info.module._parameters[info.param_name] = param
         for module, name in zip(info.shared_modules, info.shared_param_names):
-            unsafe_setattr_param(module, name, param)
+            module._parameters[name] = param
 
     def to_sharded_dtensor(self, tensor: torch.Tensor) -> DTensor:
         """Wrap a local tensor of ``sharded_size`` (a shard or a sharded grad) as a DTensor."""
@@ -321,25 +238,19 @@ class FSDPParam:
             raise AssertionError(f"Expects size {self.sharded_size} but got {tensor.shape}")
         return DTensor(tensor, self._sharding_spec, requires_grad=tensor.requires_grad)
 
-    # ---- gradients -----------------------------------------------------------------------
+    # ---- gradients and memory -----------------------------------------------------------
     def to_accumulated_grad_if_needed(self) -> None:
         """Without reduction, move the unsharded grad to ``reduce_dtype`` for accumulation."""
         grad = self._unsharded_param.grad
-        if self.reduce_dtype is None or grad is None or grad.dtype == self.reduce_dtype:
-            return
-        self._unsharded_param.grad = None
-        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+        if self.reduce_dtype is not None and grad is not None and grad.dtype != self.reduce_dtype:
+            self._unsharded_param.grad = None
+            self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
 
     def accumulate_unsharded_grad_if_needed(self) -> None:
         if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
             self.unsharded_accumulated_grad += self.unsharded_param.grad
             self.unsharded_param.grad = None
 
-    @property
-    def unsharded_grad_data(self) -> torch.Tensor:
-        return self.unsharded_param.grad
-
-    # ---- memory ----------------------------------------------------------------------------
     def alloc_all_gather_outputs(self) -> None:
         for tensor in self.all_gather_outputs:
             alloc_storage(tensor)
@@ -348,27 +259,26 @@ class FSDPParam:
         for tensor in [*self.all_gather_outputs, *self._unsharded_inner_tensors]:
             free_storage(tensor)
 
-    # ---- all-gather inputs -----------------------------------------------------------------
+    # ---- views ----------------------------------------------------------------------------
     @property
-    def all_gather_inputs(self) -> list[torch.Tensor]:  # 1D each
+    def all_gather_inputs(self) -> list[torch.Tensor]:  # 1-D each
         """This rank's contribution to the all-gather, per the current state (see the Note)."""
         self._assert_in_states(ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD)
+        local = self._sharded_local_tensor
+        extension = hasattr(local, "fsdp_pre_all_gather")
         if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-            if hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather"):
+            if extension:
                 raise NotImplementedError
             return [_to_dtype_if_needed(self._sharded_post_forward_param_data, self.param_dtype)]
-        local = self._sharded_local_tensor
-        if not hasattr(local, "fsdp_pre_all_gather"):
-            data = self._sharded_param_data
-            if self.offload_to_cpu:
-                data = data.to(self.device, non_blocking=True)
-            return [_to_dtype_if_needed(data, self.param_dtype)]
+        if extension:
+            return pre_all_gather(self, local.to(self.device) if self.offload_to_cpu else local)
+        data = self._sharded_param_data
         if self.offload_to_cpu:
-            local = local.to(self.device, non_blocking=True)
-        return pre_all_gather(self, local)
+            data = data.to(self.device, non_blocking=True)
+        return [_to_dtype_if_needed(data, self.param_dtype)]
 
     @property
-    def unsharded_param(self) -> nn.Parameter:  # ND
+    def unsharded_param(self) -> nn.Parameter:
         return self._unsharded_param
 
     @property
@@ -376,18 +286,10 @@ class FSDPParam:
         return self.sharded_param._local_tensor
 
     @property
-    def _is_hsdp(self) -> bool:
-        return isinstance(self.mesh_info, HSDPMeshInfo)
-
-    @property
     def shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard dim (the whole mesh for FSDP, its last dim for HSDP)."""
         mesh = self.mesh_info.mesh
         return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
-
-    @property
-    def shard_mesh_from_root(self) -> DeviceMesh:
-        return self.shard_mesh
 
     def _assert_in_states(self, *states: ShardedState) -> None:
         if self.sharded_state not in states:
@@ -416,25 +318,24 @@ class FSDPParam:
         local = new_param._local_tensor
         if local.is_meta:
             return
-        same_local_tensor = False
+        same = False
         if type(self._sharded_param_data) is torch.Tensor:  # subclasses may have no storage
             ptr = self._sharded_param_data.untyped_storage().data_ptr()
-            same_local_tensor = ptr > 0 and ptr == local.untyped_storage().data_ptr()
-        shard_dim = self.fsdp_placement.dim
-        length = local.size(shard_dim)
-        updated = False
-        if local.size() != self.padded_sharded_param_size and not same_local_tensor:
-            if shard_dim != 0:
-                raise AssertionError(f"Shard({shard_dim}) requires even sharding: {local.size()=}")
+            same = ptr > 0 and ptr == local.untyped_storage().data_ptr()
+        dim = self.fsdp_placement.dim
+        length, updated = local.size(dim), False
+        if local.size() != self.padded_sharded_param_size and not same:
+            if dim != 0:
+                raise AssertionError(f"Shard({dim}) requires even sharding: {local.size()=}")
             padded = local.new_zeros(self.padded_sharded_param_size)
-            padded.narrow(shard_dim, 0, length).copy_(local)
+            padded.narrow(dim, 0, length).copy_(local)
             local, updated = padded, True
         if self.pin_memory and not local.is_pinned():
             local, updated = local.cpu().pin_memory(), True
-        if not same_local_tensor:
+        if not same:
             self._sharded_param_data = local.view(-1)
         if updated:
-            self.sharded_param._local_tensor = local.narrow(shard_dim, 0, length)
+            self.sharded_param._local_tensor = local.narrow(dim, 0, length)
         self._sharding_spec = self.sharded_param._spec
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""``FSDPState``: the per-module hooks that drive the parameter groups through an iteration.
+"""``FSDPState``: the per-module hooks that drive a parameter group through an iteration.
 
 [Note: root and lazy init]
 ``fully_shard`` is applied bottom-up, so no call knows which module will be the root. The *root*
@@ -36,6 +36,10 @@ from ._fsdp_param_group import FSDPParamGroup
 _module_to_state: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 
 
+def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
+    return _module_to_state.get(module)
+
+
 class FSDPStateContext:
     """What every state under one root shares (the root's instance replaces the others)."""
 
@@ -43,38 +47,25 @@ class FSDPStateContext:
         self.all_states: list[FSDPState] = []  # root first, then pre-order
         self.iter_forward_root: FSDPState | None = None  # the state whose forward is running
         self.post_backward_final_callback_queued = False
-        self.is_last_backward = True
 
 
 class FSDPState:
-    """The hooks and bookkeeping of one ``fully_shard`` call."""
+    """The hooks and bookkeeping of one ``fully_shard`` call over ``modules``.
 
-    def __init__(self) -> None:
-        self._fsdp_param_groups: list[FSDPParamGroup] = []
+    ``_fsdp_param_group`` is ``None`` when the modules manage no parameters (the state still
+    takes part in root selection, input casting and lazy init)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], device: torch.device,
+                 mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool) -> None:
+        self._modules, self._device, self._mp_policy = modules, device, mp_policy
+        self._auto_reshard_after_forward = auto_reshard_after_forward  # reshard_after_forward=None
+        self._fsdp_param_group: FSDPParamGroup | None = None
         self._is_root: bool | None = None  # decided at lazy init
         self._state_ctx = FSDPStateContext()
         self._training_state = TrainingState.IDLE
         self._modules_to_run_forward: set[nn.Module] = set()  # grouped fully_shard only
-        self._auto_reshard_after_forward: bool | None = True
-
-    @property
-    def _fsdp_param_group(self) -> FSDPParamGroup | None:
-        """The single parameter group, or ``None`` when the modules manage no parameters."""
-        return self._fsdp_param_groups[0] if self._fsdp_param_groups else None
-
-    def init(
-        self,
-        modules: tuple[nn.Module, ...],
-        device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
-        auto_reshard_after_forward: bool,
-    ) -> None:
         for module in modules:
             _module_to_state[module] = self
-        self._modules = modules
-        self._device = device
-        self._mp_policy = mp_policy
-        self._auto_reshard_after_forward = auto_reshard_after_forward
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, prepend=False)
@@ -105,81 +96,52 @@ class FSDPState:
         self._is_root = True
         if len(self._modules) > 1:
             raise RuntimeError(f"FSDP requires a single root module but got {self._modules}")
-        root_module = self._modules[0]
-        visited: set[FSDPState] = set()
+        root_module, ctx = self._modules[0], self._state_ctx
         for module_name, module in root_module.named_modules():
-            if (state := _get_module_fsdp_state(module)) is None:
+            if (state := _get_module_fsdp_state(module)) is None or state in ctx.all_states:
                 continue
             if module is not root_module:
-                if state not in visited and state._is_root is not None:
+                if state._is_root is not None:
                     raise RuntimeError(
-                        "FSDP state has already been lazily initialized for "
-                        f"{module_name}\nFSDP requires running forward through the root "
-                        "module first"
+                        f"FSDP state has already been lazily initialized for {module_name}\n"
+                        "FSDP requires running forward through the root module first"
                     )
                 state._is_root = False
-            if state not in visited:
-                self._state_ctx.all_states.append(state)
-                visited.add(state)
-        if self._auto_reshard_after_forward:  # None: the root keeps its params after forward
-            for group in self._fsdp_param_groups:
-                group.post_forward_mesh_info = None
-        self._init_fqns()
-        for state in self._state_ctx.all_states:
-            state._state_ctx = self._state_ctx
-        self._validate_no_duplicate_params()
-        for state in self._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                group.lazy_init()
-
-    def _init_fqns(self) -> None:
-        root_module = self._modules[0]
-        param_to_fsdp_param, module_to_group = {}, {}
-        for state in self._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    param_to_fsdp_param[fsdp_param.sharded_param] = fsdp_param
-                for module in group.modules:
-                    module_to_group.setdefault(module, []).append(group)
-        for name, param in root_module.named_parameters():
-            if param in param_to_fsdp_param:
-                param_to_fsdp_param[param]._param_fqn = name
-        for name, module in root_module.named_modules():
-            for group in module_to_group.get(module, []):
-                fqn = group._module_fqn
-                group._module_fqn = name if fqn is None else f"{fqn}, {name}"
-
-    def _validate_no_duplicate_params(self) -> None:
+            ctx.all_states.append(state)
+            state._state_ctx = ctx
+        groups = [s._fsdp_param_group for s in ctx.all_states if s._fsdp_param_group is not None]
+        if self._auto_reshard_after_forward and self._fsdp_param_group is not None:
+            self._fsdp_param_group.post_forward_mesh_info = None  # the root keeps its params
+        _init_fqns(root_module, groups)
         seen: set[int] = set()
-        for state in self._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    if fsdp_param._orig_param_uid in seen:
-                        raise ValueError(
-                            f"Parameter '{fsdp_param._param_fqn}' is shared with a parameter "
-                            "already managed by another FSDP group. For shared/tied "
-                            "parameters, use fully_shard([module_a, module_b]) to place them "
-                            "in the same FSDP group."
-                        )
-                    seen.add(fsdp_param._orig_param_uid)
+        for fsdp_param in (p for group in groups for p in group.fsdp_params):
+            if fsdp_param._orig_param_uid in seen:
+                raise ValueError(
+                    f"Parameter '{fsdp_param._param_fqn}' is shared with a parameter already "
+                    "managed by another FSDP group. For shared/tied parameters, use "
+                    "fully_shard([module_a, module_b]) to place them in the same FSDP group."
+                )
+            seen.add(fsdp_param._orig_param_uid)
+        for group in groups:
+            group.lazy_init()
 
     # ---- forward -------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        group = self._fsdp_param_group
         if self._training_state == TrainingState.PRE_BACKWARD:  # recomputation in backward
-            for group in self._fsdp_param_groups:
+            if group is not None:
                 group.unshard()
                 group.wait_for_unshard()
             return self._cast_forward_inputs(args, kwargs)
-        first_in_pass = self._training_state != TrainingState.FORWARD
-        self._training_state = TrainingState.FORWARD
-        if first_in_pass:
-            args, kwargs = self._root_pre_forward(module, args, kwargs)
+        if self._training_state != TrainingState.FORWARD:  # the first module of the group
+            self._training_state = TrainingState.FORWARD
+            args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
-        for group in self._fsdp_param_groups:
+        if group is not None:
             args, kwargs = group.pre_forward(module, args, kwargs)
         return args, kwargs
 
-    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+    def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
         if self._state_ctx.iter_forward_root is not None:
             return args, kwargs  # not the root of this forward
@@ -189,30 +151,21 @@ class FSDPState:
             args, kwargs = args_tuple[0], kwargs_tuple[0]
         return args, kwargs
 
-    def _post_forward(self, module: nn.Module, input: Any, output: Any) -> Any:
+    def _post_forward(self, module: nn.Module | None, input: Any, output: Any) -> Any:
         if self._training_state == TrainingState.PRE_BACKWARD:
             return self._cast_output_dtype(output)
-        for group in self._fsdp_param_groups:
-            output = group.post_forward(module, input, output)
+        if self._fsdp_param_group is not None:
+            output = self._fsdp_param_group.post_forward(module, input, output)
         output = self._register_pre_backward_hook(output)
         self._training_state = TrainingState.IDLE
         if self._state_ctx.iter_forward_root is self:
-            output = self._force_complete_incomplete_states(output)
+            # Finish grouped states some of whose modules never ran forward in this pass.
+            for state in reversed(self._state_ctx.all_states):
+                if state is not self and state._modules_to_run_forward:
+                    state._modules_to_run_forward.clear()
+                    output = state._post_forward(None, None, output)
             self._state_ctx.iter_forward_root = None
         return self._cast_output_dtype(output)
-
-    def _force_complete_incomplete_states(self, output: Any) -> Any:
-        """Finish grouped states some of whose modules never ran forward in this pass."""
-        for state in reversed(self._state_ctx.all_states):
-            if state is self or not state._modules_to_run_forward:
-                continue
-            for group in state._fsdp_param_groups:
-                output = group.post_forward(None, None, output)
-            output = state._register_pre_backward_hook(output)
-            state._training_state = TrainingState.IDLE
-            output = state._cast_output_dtype(output)
-            state._modules_to_run_forward.clear()
-        return output
 
     def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         policy = self._mp_policy
@@ -222,11 +175,9 @@ class FSDPState:
         return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
     def _cast_output_dtype(self, output: Any) -> Any:
-        if self._mp_policy.output_dtype is None:
+        if (dtype := self._mp_policy.output_dtype) is None:
             return output
-        return _apply_to_tensors(
-            functools.partial(_cast_fp_tensor, self._mp_policy.output_dtype), output
-        )
+        return _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), output)
 
     # ---- backward ------------------------------------------------------------------------------
     def _register_pre_backward_hook(self, output: Any) -> Any:
@@ -236,10 +187,10 @@ class FSDPState:
             if not (isinstance(t, torch.Tensor) and t.requires_grad):
                 continue
             if t._base is not None:
+                names = ", ".join(type(m).__name__ for m in self._modules)
                 warnings.warn(
-                    f"FSDP2-wrapped module ({', '.join(type(m).__name__ for m in self._modules)}"
-                    ") returned a view tensor; an in-place op on it would drop the pre-backward "
-                    "hook. Use out-of-place ops or clone() the output first.",
+                    f"FSDP2-wrapped module ({names}) returned a view tensor; an in-place op on it "
+                    "would drop the pre-backward hook. Use out-of-place ops or clone() it first.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -251,8 +202,8 @@ class FSDPState:
         if not self._state_ctx.post_backward_final_callback_queued:
             self._state_ctx.post_backward_final_callback_queued = True
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        for group in self._fsdp_param_groups:
-            group.pre_backward()
+        if self._fsdp_param_group is not None:
+            self._fsdp_param_group.pre_backward()
         return grad
 
     def _root_post_backward_final_callback(self) -> None:
@@ -260,16 +211,22 @@ class FSDPState:
         ctx.iter_forward_root = None
         for state in ctx.all_states:
             state._modules_to_run_forward.clear()
-            for group in reversed(state._fsdp_param_groups):
+            if (group := state._fsdp_param_group) is not None:
                 if group._training_state != TrainingState.POST_BACKWARD:
                     group.post_backward()  # autograd never reached its inputs
                 group._training_state = TrainingState.IDLE
             state._training_state = TrainingState.IDLE
-            if ctx.is_last_backward:
-                for group in state._fsdp_param_groups:
-                    group.finalize_backward()
         ctx.post_backward_final_callback_queued = False
 
 
-def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
-    return _module_to_state.get(module)
+def _init_fqns(root_module: nn.Module, groups: list[FSDPParamGroup]) -> None:
+    """Name every managed parameter and group by its FQN from the root (for messages)."""
+    fsdp_params = {p.sharded_param: p for group in groups for p in group.fsdp_params}
+    for name, param in root_module.named_parameters():
+        if param in fsdp_params:
+            fsdp_params[param]._param_fqn = name
+    module_groups = {module: group for group in groups for module in group.modules}
+    for name, module in root_module.named_modules():
+        if (group := module_groups.get(module)) is not None:
+            fqn = group._module_fqn
+            group._module_fqn = name if fqn is None else f"{fqn}, {name}"

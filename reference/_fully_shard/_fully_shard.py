@@ -26,7 +26,6 @@ from ._fsdp_init import (
     _get_post_forward_mesh_info,
     _init_default_mesh,
     _move_states_to_device,
-    _validate_mesh,
     _validate_module,
 )
 from ._fsdp_param_group import FSDPParamGroup
@@ -73,7 +72,6 @@ def fully_shard(
                 f"once. fully_shard has already been applied to the following module:\n{m}"
             )
     mesh = mesh or _init_default_mesh()
-    _validate_mesh(mesh)
     mesh_info = _get_mesh_info(mesh)
     device = _get_device_from_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
@@ -83,15 +81,14 @@ def fully_shard(
     managed_modules = _get_managed_modules(modules, ignored_params, _get_module_fsdp_state)
     params, buffers = _get_managed_states(managed_modules, ignored_params)
     _move_states_to_device(params, buffers, device)
-    state = FSDPState()
+    group = None
     if params:  # builds and validates every FSDPParam before registering any of them
-        state._fsdp_param_groups.append(
-            FSDPParamGroup(
-                params, modules, mesh_info, post_forward_mesh_info, device,
-                shard_placement_fn, mp_policy, offload_policy,
-            )
+        group = FSDPParamGroup(
+            params, modules, mesh_info, post_forward_mesh_info, device,
+            shard_placement_fn, mp_policy, offload_policy,
         )  # fmt: skip
-    state.init(modules, device, mp_policy, auto_reshard_after_forward)
+    state = FSDPState(modules, device, mp_policy, auto_reshard_after_forward)
+    state._fsdp_param_group = group
     for managed_module in managed_modules:
         managed_module._is_fsdp_managed_module = True
         managed_module._fsdp_use_orig_params = True
@@ -121,7 +118,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones (not recursive)."""
-        for group in self._get_fsdp_state()._fsdp_param_groups:
+        if (group := self._get_fsdp_state()._fsdp_param_group) is not None:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -130,30 +127,20 @@ class FSDPModule:
         With ``async_op=True`` returns an :class:`UnshardHandle`; its ``wait()`` (or the next
         pre-forward) finishes the unshard. Otherwise waits and returns ``None``.
         """
-        state = self._get_fsdp_state()
-        for group in state._fsdp_param_groups:
+        group = self._get_fsdp_state()._fsdp_param_group
+        if group is not None:
             group.lazy_init()
             group.unshard(async_op=async_op)
-        handle = _UnshardHandleImpl(list(state._fsdp_param_groups))
+        handle = UnshardHandle(group)
         if async_op:
             return handle
         handle.wait()
         return None
 
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (finalizes pending work if so)."""
-        self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
-
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
         for group in self._groups(recurse):
             group.reduce_grads = requires_gradient_sync
-            group.all_reduce_grads = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
-        """HSDP: all-reduce over the replicate group (``True``) or accumulate the partial sum."""
-        for group in self._groups(recurse):
-            group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         """Change ``reshard_after_forward`` at run time (a bool; overrides the root default)."""
@@ -163,12 +150,11 @@ class FSDPModule:
             )
         for module in self.modules() if recurse else [self]:
             if isinstance(module, FSDPModule):
-                state = module._get_fsdp_state()
-                state._auto_reshard_after_forward = False
-                for group in state._fsdp_param_groups:
-                    group.post_forward_mesh_info = _get_post_forward_mesh_info(
-                        reshard_after_forward, group.mesh_info
-                    )
+                module._get_fsdp_state()._auto_reshard_after_forward = False
+        for group in self._groups(recurse):
+            group.post_forward_mesh_info = _get_post_forward_mesh_info(
+                reshard_after_forward, group.mesh_info
+            )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """Whether to free the unsharded parameters after backward (default ``True``)."""
@@ -177,17 +163,14 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
-        for group in self._get_fsdp_state()._fsdp_param_groups:
+        for group in self._groups(recurse=False):
             group.gradient_divide_factor = factor
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        """The parameter groups of this module (and, with ``recurse``, of FSDP submodules)."""
         modules = self.modules() if recurse else [self]
-        return [
-            group
-            for module in modules
-            if isinstance(module, FSDPModule)
-            for group in module._get_fsdp_state()._fsdp_param_groups
-        ]
+        states = [m._get_fsdp_state() for m in modules if isinstance(m, FSDPModule)]
+        return [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
 
     def _get_fsdp_state(self) -> FSDPState:
         if (state := _get_module_fsdp_state(self)) is None:
@@ -219,11 +202,9 @@ class FSDPModule:
                     table[name] = tensor
                     if copy is not None:
                         _local(tensor).copy_(copy)
-                for module in self.modules():
-                    if isinstance(module, FSDPModule):
-                        for group in module._get_fsdp_state()._fsdp_param_groups:
-                            for fsdp_param in group.fsdp_params:
-                                fsdp_param.reset_sharded_param()
+                for group in self._groups(recurse=True):
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
             raise
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,7 +212,7 @@ class FSDPModule:
         self.reshard()
         ret = super()._apply(*args, **kwargs)
         with torch.no_grad():
-            for group in self._get_fsdp_state()._fsdp_param_groups:
+            for group in self._groups(recurse=False):
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
         return ret
@@ -240,18 +221,14 @@ class FSDPModule:
 class UnshardHandle:
     """A handle on an asynchronous :meth:`FSDPModule.unshard`."""
 
+    def __init__(self, fsdp_param_group: FSDPParamGroup | None):
+        self._fsdp_param_group = fsdp_param_group
+
     def wait(self) -> None:
         """Finish the unshard: the unsharded parameters are registered on return."""
-
-
-class _UnshardHandleImpl(UnshardHandle):
-    def __init__(self, fsdp_param_groups: list[FSDPParamGroup]):
-        self._fsdp_param_groups: list[FSDPParamGroup] | None = fsdp_param_groups
-
-    def wait(self) -> None:
-        for group in self._fsdp_param_groups or []:
-            group.wait_for_unshard()
-        self._fsdp_param_groups = None
+        if self._fsdp_param_group is not None:
+            self._fsdp_param_group.wait_for_unshard()
+            self._fsdp_param_group = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
