@@ -251,3 +251,46 @@ def train_parity_cpu_offload(ctx, plan, optim):
             f"{ctx.where()} {name}: offloaded shard on {param.to_local().device}, expected cpu")
         assert param.grad is None or param.grad.to_local().device.type == "cpu", (
             f"{ctx.where()} {name}: offloaded grad on {param.grad.to_local().device}")
+
+
+# reduce dtype -> (mixed-precision options, tolerance of the reduced gradient against the fp32 oracle)
+DIVIDE_DTYPES = {
+    "fp32": (None, dict(rtol=1e-5, atol=1e-6)),
+    "bf16": ({"param_dtype": torch.bfloat16}, dict(rtol=3e-2, atol=3e-3)),
+    "fp16": ({"param_dtype": torch.float16}, dict(rtol=5e-3, atol=5e-4)),
+}
+DIVIDE_CASES = {
+    f"{dtype}-{factor}": {"dtype": dtype, "factor": factor}
+    for dtype in DIVIDE_DTYPES for factor in ("default", "ws", "3")
+}
+
+
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
+       cases=DIVIDE_CASES)
+def gradient_divide_factor(ctx, dtype, factor):
+    """P6: the reduced gradient is the SUM of the ranks' gradients divided by the data-parallel size
+    (``default``), or by ``f`` after ``set_gradient_divide_factor(f)`` (``ws``: f equals the world
+    size; ``3``: f = 3.0, not a power of two, so fp32/bf16 need a pre-multiplied sum and fp16 a
+    pre- and post-divide). Reduced in fp32, bf16 (``param_dtype=bf16``) and fp16
+    (``param_dtype=fp16``, where the sum is pre-divided against overflow); compared with the fp32
+    oracle's summed gradient divided by f, within the dtype's tolerance. A missing, doubled or
+    squared divide is off by a factor of at least 2 at every world size, including 1."""
+    ws = ctx.world_size
+    mp, tol = DIVIDE_DTYPES[dtype]
+    divisor = {"default": ws, "ws": ws, "3": 3.0}[factor]
+    ctx.seed(0)
+    oracle = MLP().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=None,
+                           **({"mixed_precision": mp} if mp else {}))
+    if factor != "default":
+        model.set_gradient_divide_factor(float(divisor))
+    x, y = make_batch("mlp", ws, 0, ctx.device)
+    # Sums, not means, so that the oracle's gradient is the plain sum of the ranks' gradients.
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    per_sample_loss("mlp", model(x[mine]), y[mine]).sum().backward()
+    per_sample_loss("mlp", oracle(x), y).sum().backward()
+    for (name, param), (_, ref) in zip(named_unique(model), named_unique(oracle)):
+        assert param.grad is not None, f"{ctx.where()} {name}: no sharded gradient after backward"
+        expected = local_chunk(ref.grad / divisor, shard_dim(param), ws, ctx.rank)
+        assert_close(ctx, f"{dtype} gradient of {name} divided by {divisor}",
+                     param.grad.to_local(), expected, tol)

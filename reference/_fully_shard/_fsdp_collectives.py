@@ -19,7 +19,9 @@ same padded layout as ``_sharded_param_data``. Averaging (spec P6): fp32/bf16 us
 (``SUM`` when the data-parallel size is 1); other dtypes (fp16) risk overflow, so they ``SUM``
 with a pre-divide ``pre`` (the largest power of two with ``N % pre == 0 and N / pre > pre``
 doubling rule) and a post-divide ``N / pre``. A custom ``gradient_divide_factor`` ``f`` uses
-``AVG`` when ``f`` equals the reduce-scatter size, else ``PREMUL_SUM(1 / f)``.
+``AVG`` when ``f`` equals the reduce-scatter size, else upstream's ``PREMUL_SUM(1 / f)``, which the
+reference spells as a divide by ``f`` before a ``SUM`` (the same sum, on backends without
+``PREMUL_SUM`` such as gloo). With one rank no collective runs: the pre/post divides alone apply.
 """
 
 from __future__ import annotations
@@ -141,8 +143,6 @@ def foreach_reduce(
     if world_size > 1:
         output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
         dist.reduce_scatter_single(output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group)
-    elif gradient_divide_factor is not None and predivide is None:  # what PREMUL_SUM would do
-        output = reduce_scatter_input / gradient_divide_factor
     else:  # one rank: SUM and AVG leave the input as it is
         output = reduce_scatter_input
     if all_reduce_group is not None:
@@ -182,7 +182,7 @@ def _get_gradient_divide_factors(
             return None, None, op, op
         if factor == reduce_scatter_group.size():
             return None, None, ReduceOp.AVG, ReduceOp.SUM
-        return None, None, ReduceOp.PREMUL_SUM(1 / factor), ReduceOp.SUM
+        return factor, None, ReduceOp.SUM, ReduceOp.SUM  # PREMUL_SUM(1 / factor)
     factor = float(data_parallel_size) if factor is None else factor
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
