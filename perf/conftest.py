@@ -76,6 +76,14 @@ def pytest_addoption(parser):
         help="seconds of measured rounds per task (rounds = budget / warm-up round, "
         "clamped to [3, 30]; default 1.0)",
     )
+    g.addoption(
+        "--cpu-allocator",
+        choices=("reuse", "system"),
+        default="reuse",
+        help="CPU ranks: 'reuse' (default) keeps freed memory in glibc's heap, as a GPU caching "
+        "allocator would, so that a path is not charged for page-faulting fresh buffers; "
+        "'system' leaves glibc's defaults (large buffers are mmapped and faulted in anew)",
+    )
     g.addoption("--task-timeout", type=float, default=600.0, help="seconds per task (default 600)")
     g.addoption("--perf-reports-dir", default="reports", help="where perf.md and the plots go")
 
@@ -258,6 +266,8 @@ class PerfSession:
         self.placement = {
             ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes
         }
+        if opt.cpu_allocator == "reuse" and any(d == "cpu" for d, _ in self.placement.values()):
+            self.notes.append(_reuse_cpu_memory())
         self.sizes = (
             _parse_sizes(opt.sizes) if opt.sizes else (QUICK_SIZES if self.quick else FULL_SIZES)
         )
@@ -452,6 +462,23 @@ def _parse_sizes(text: str) -> dict[str, tuple[float, ...]]:
 
 
 # ---------------------------------------------------------------------------------------- hooks
+# [Note: CPU allocations in the ranks]
+# A tensor of 32 MiB or more is mmapped by glibc and page-faulted in on first touch: on this kind of
+# machine a fresh 64 MiB buffer filled by a copy costs about 6x a copy into a warm buffer. A GPU
+# caching allocator hides that cost, and it is not part of any FSDP algorithm, so by default the
+# ranks (spawned processes, which read these variables at start-up) keep freed memory in the heap.
+_GLIBC_REUSE = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
+def _reuse_cpu_memory() -> str:
+    """Set the glibc variables for ranks spawned from now on (a user's own values win)."""
+    for name, value in _GLIBC_REUSE.items():
+        os.environ.setdefault(name, value)
+    shown = ", ".join(f"{n}={os.environ[n]}" for n in _GLIBC_REUSE)
+    return (f"CPU ranks reuse freed memory ({shown}), as a GPU caching allocator would; "
+            "--cpu-allocator system measures with fresh page-faulted buffers")
+
+
 _KEY = pytest.StashKey[PerfSession]()
 
 

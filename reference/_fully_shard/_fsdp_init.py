@@ -161,9 +161,7 @@ def _move_states_to_device(
         tensor.data = tensor.to(device)
 
 
-def _resolve_shard_placement(
-    param: nn.Parameter, placement_fn, mesh_info: FSDPMeshInfo, device: torch.device
-) -> Shard:
+def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPMeshInfo) -> Shard:
     """Validate ``param`` and return its FSDP placement (spec P12, P13).
 
     ``shard_placement_fn(param)`` may return ``None`` (dim 0) or ``Shard(d)`` (negative ``d``
@@ -180,10 +178,6 @@ def _resolve_shard_placement(
                 "(ShardPlacementResult); return a Shard placement or None instead"
             )
         raise ValueError(f"Invalid shard_placement_fn result: {placement}")
-    if param.device != device and param.device.type != "meta":
-        raise AssertionError(
-            f"Expects the parameter to already be moved to device {device} but got {param.device}"
-        )
     if not param.is_contiguous():
         raise NotImplementedError(
             f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"

@@ -110,7 +110,7 @@ class FSDPParam:
     # ---- construction -------------------------------------------------------------------
     @torch.no_grad()
     def _init_sharded_param(self, param: nn.Parameter, placement_fn) -> None:
-        self.fsdp_placement = _resolve_shard_placement(param, placement_fn, self.mesh_info, self.device)
+        self.fsdp_placement = _resolve_shard_placement(param, placement_fn, self.mesh_info)
         dim = self.fsdp_placement.dim
         ws, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
         self._orig_param_uid = _get_orig_param_uid(param)
@@ -124,11 +124,9 @@ class FSDPParam:
         self.sharded_size = torch.Size(sharded_size(param.shape, ws, rank, dim))
         self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
         self.padded_sharded_param_size = torch.Size(padded_sharded_size(param.shape, ws, dim))
-        padded = param.new_zeros(self.padded_sharded_param_size)
         length = self.sharded_size[dim]
-        if length > 0:
-            start = shard_offset(param.shape, ws, rank, dim)
-            padded.narrow(dim, 0, length).copy_(param.narrow(dim, start, length))
+        start = shard_offset(param.shape, ws, rank, dim) if length else 0
+        padded = _padded_copy(param.narrow(dim, start, length), self.padded_sharded_param_size, dim)
         if self.offload_to_cpu and not padded.is_meta:
             padded = padded.cpu()
             if self.pin_memory:
@@ -327,9 +325,7 @@ class FSDPParam:
         if local.size() != self.padded_sharded_param_size and not same:
             if dim != 0:
                 raise AssertionError(f"Shard({dim}) requires even sharding: {local.size()=}")
-            padded = local.new_zeros(self.padded_sharded_param_size)
-            padded.narrow(dim, 0, length).copy_(local)
-            local, updated = padded, True
+            local, updated = _padded_copy(local, self.padded_sharded_param_size, dim), True
         if self.pin_memory and not local.is_pinned():
             local, updated = local.cpu().pin_memory(), True
         if not same:
@@ -340,3 +336,14 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam(fqn={self._param_fqn}, orig_size={self._orig_size})"
+
+
+@torch.no_grad()
+def _padded_copy(src: torch.Tensor, padded_size: torch.Size, dim: int) -> torch.Tensor:
+    """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it.
+    Only the tail is zero-filled, so the data is written once (not zeroed, then overwritten)."""
+    out = src.new_empty(padded_size)
+    length = src.size(dim)
+    out.narrow(dim, 0, length).copy_(src)
+    out.narrow(dim, length, padded_size[dim] - length).zero_()
+    return out

@@ -182,8 +182,10 @@ class FSDPModule:
 
         Upstream copies the valid entries before it raises for a bad one; the reference puts every
         parameter and buffer of the module tree back (object and values) before re-raising, so a
-        failed load changes nothing. Loading works on the sharded ``DTensor`` s: load a dict of
-        ``DTensor`` s with the same placements (plain tensors are rejected, spec P8).
+        failed load changes nothing. (With ``assign=True`` the old tensors are not written, so
+        only the objects are kept; otherwise their values are cloned first.) Loading works on the
+        sharded ``DTensor`` s: load a dict of ``DTensor`` s with the same placements (plain
+        tensors are rejected, spec P8).
         """
         saved = []
         with torch.no_grad():
@@ -192,8 +194,8 @@ class FSDPModule:
                     module.reshard()
                 for table in (module._parameters, module._buffers):
                     for name, tensor in table.items():
-                        copy = None if tensor is None else _local(tensor).clone()
-                        saved.append((table, name, tensor, copy))
+                        keep = tensor is not None and not assign
+                        saved.append((table, name, tensor, _local(tensor).clone() if keep else None))
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except Exception:
