@@ -55,6 +55,28 @@ def test_bad_impl_from_environment_variable(tmp_path):
     assert proc.returncode == 2 and "no_such_package:X" in proc.stdout + proc.stderr
 
 
+def test_entry_point_plugin_of_an_installed_distribution(tmp_path):
+    """A vendor's package declares ``fsdp_conformance.implementations``; ``--impl <name>`` finds
+    it (in the driver and in the spawned ranks) and its checks run under that name."""
+    dist_info = tmp_path / "site" / "fsdp_fake_vendor-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: fsdp-fake-vendor\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[fsdp_conformance.implementations]\nfake-vendor = tests.harness.fake_impl:FakeImpl\n"
+    )
+    path = os.pathsep.join([str(tmp_path / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = run_conformance(
+        "--impl", "fake-vendor", "--check-dir", SELFCHECKS, "--world-sizes", "2",
+        "--reports-dir", str(tmp_path / "r"), "-k", "selftest and passes",
+        env={"PYTHONPATH": path},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    report = json.loads((tmp_path / "r" / "conformance.json").read_text())
+    ran = [(c["check"], c["impl"], c["outcome"]) for c in report["cases"]]
+    assert ran and all(impl == "fake" and outcome == "pass" for _, impl, outcome in ran), ran
+
+
 def test_expectation_without_reason_is_rejected(tmp_path):
     (tmp_path / "fake.txt").write_text("selftest::passes\n")
     proc = run_conformance(
