@@ -54,11 +54,17 @@ from ._shard_math import contiguous_strides, padded_sharded_size, shard_offset, 
 class ShardedState(Enum):
     """Which of a parameter's forms is registered on its module."""
 
-    SHARDED = auto()  # the sharded DTensor: the only parameter memory held
-    # After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group,
-    # a DTensor on a 2-D mesh ``(Replicate(), Shard(0))``; not for computation or in-place edits.
+    SHARDED = auto()
+    """The sharded ``DTensor`` parameter is registered; it is the only parameter memory held."""
+
     SHARDED_POST_FORWARD = auto()
-    UNSHARDED = auto()  # the full unsharded parameter (a plain tensor), for forward/backward
+    """After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group
+    is registered (a ``DTensor`` on a 2-D mesh, ``(Replicate(), Shard(0))``). It is not meant for
+    computation or in-place edits; both it and the sharded parameter hold memory."""
+
+    UNSHARDED = auto()
+    """The full unsharded parameter (a plain tensor) is registered, for forward/backward; both it
+    and the sharded parameter hold memory."""
 
 
 @dataclass
@@ -78,10 +84,24 @@ class FSDPParam:
 
     Construction validates and shards but does not touch the module; the owning group registers
     the sharded parameter with :meth:`_attach_to_module` once every parameter of the group has
-    been built, so that a bad parameter leaves the module as it was. Sizes are ``torch.Size``:
-    ``_orig_size`` (global), ``sharded_size`` (this rank's chunk, 0 on the shard dim if empty) and
-    ``padded_sharded_param_size`` (chunk 0's, the size of ``_sharded_param_data``).
+    been built, so that a bad parameter leaves the module as it was.
     """
+
+    orig_dtype: torch.dtype  # set at lazy init, with the clamped dtypes below
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    fsdp_placement: Shard  # Shard(d) with d >= 0
+    _orig_size: torch.Size  # ND, the original parameter's global size
+    sharded_size: torch.Size  # ND, this rank's chunk (0 along the shard dim if empty)
+    contiguous_sharded_stride: tuple[int, ...]
+    padded_sharded_param_size: torch.Size  # ND, chunk 0's size
+    _sharded_param_data: torch.Tensor  # 1D, padded_sharded_param_size.numel() elements
+    sharded_param: nn.Parameter  # ND, DTensor with the original global size and stride
+    _sharded_post_forward_param_data: torch.Tensor | None  # 1D, 1/k of the all-gather output
+    _sharded_post_forward_param: nn.Parameter | None  # ND, DTensor on the k-rank 2-D mesh
+    _unsharded_param: nn.Parameter  # ND, original size; created by the first unshard
+    unsharded_accumulated_grad: torch.Tensor | None  # ND, in reduce_dtype
+    all_gather_outputs: list[torch.Tensor]  # 1D, world_size * input numel each
 
     def __init__(
         self,
@@ -99,10 +119,9 @@ class FSDPParam:
         self.device, self.mp_policy = device, mp_policy
         self.offload_to_cpu = isinstance(offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload_to_cpu and offload_policy.pin_memory
-        self.all_gather_outputs: list[torch.Tensor] = []  # 1-D, world_size * input numel each
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
-        self._sharded_post_forward_param_data: torch.Tensor | None = None  # 1-D
-        self._sharded_post_forward_param: nn.Parameter | None = None
+        self.all_gather_outputs = []
+        self.unsharded_accumulated_grad = None
+        self._sharded_post_forward_param_data = self._sharded_post_forward_param = None
         self._param_fqn: str | None = None  # set at the root's lazy init
         self._init_sharded_param(param, shard_placement_fn)
         self._init_extensions()
