@@ -21,7 +21,7 @@ with a pre-divide ``pre`` (the largest power of two with ``N % pre == 0 and N / 
 doubling rule) and a post-divide ``N / pre``. A custom ``gradient_divide_factor`` ``f`` uses
 ``AVG`` when ``f`` equals the reduce-scatter size, else upstream's ``PREMUL_SUM(1 / f)``, which the
 reference spells as a divide by ``f`` before a ``SUM`` (the same sum, on backends without
-``PREMUL_SUM`` such as gloo). With one rank no collective runs: the pre/post divides alone apply.
+``PREMUL_SUM`` such as gloo). With one rank the reduce-scatter is skipped: the divides alone apply.
 """
 
 from __future__ import annotations
