@@ -26,6 +26,7 @@ from ._fsdp_init import (
     _get_post_forward_mesh_info,
     _init_default_mesh,
     _move_states_to_device,
+    _resolve_shard_placement,
     _validate_module,
 )
 from ._fsdp_param_group import FSDPParamGroup
@@ -80,6 +81,8 @@ def fully_shard(
     )
     managed_modules = _get_managed_modules(modules, ignored_params, _get_module_fsdp_state)
     params, buffers = _get_managed_states(managed_modules, ignored_params)
+    for param in params:  # validate before the move below, which is the first change
+        _resolve_shard_placement(param, shard_placement_fn, mesh_info)
     _move_states_to_device(params, buffers, device)
     group = None
     if params:  # builds and validates every FSDPParam before registering any of them
