@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     # "--reports-dir DIR" are never mistaken for one)
     explicit = [a for a in argv if "::" in a or (a.endswith(".py") and Path(a).is_file())]
     targets = [] if explicit else [str(Path(__file__).parent / "checks"), *_check_dirs(argv)]
-    return int(pytest.main(["-p", "conformance.plugin", *targets, *argv]))
+    # "-rfE": pytest's short summary lists only failures and errors, so that the matrix stays at
+    # the end of the output; skips and expected failures are in the matrix and the reports (a
+    # "-r" of the user's own, later on the line, wins).
+    return int(pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv]))
 
 
 if __name__ == "__main__":
