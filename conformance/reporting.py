@@ -90,12 +90,20 @@ def _cell(counter: Counter) -> str:
 
 
 def matrix_lines(records) -> list[str]:
+    """The matrix as text. A row whose every case is not supported says nothing per world size:
+    such rows are folded into one line under the table (area: implementations)."""
     rows, columns, cells = matrix(records)
     if not rows:
         return ["(no cases ran)"]
+    unsupported = {
+        row for row in rows
+        if all(set(cells[(*row, ws)]) <= {"not-supported"} for ws in columns)
+    }  # fmt: skip
     header = ["area", "implementation"] + [f"ws{ws}" for ws in columns]
     table = [
-        [area, impl] + [_cell(cells[(area, impl, ws)]) for ws in columns] for area, impl in rows
+        [area, impl] + [_cell(cells[(area, impl, ws)]) for ws in columns]
+        for area, impl in rows
+        if (area, impl) not in unsupported
     ]
     total = Counter()
     for c in cells.values():
@@ -103,6 +111,12 @@ def matrix_lines(records) -> list[str]:
     widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
     fmt = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
     lines = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in table]
+    if unsupported:
+        by_area: dict[str, list[str]] = defaultdict(list)
+        for area, impl in sorted(unsupported):
+            by_area[area].append(impl)
+        folded = "; ".join(f"{area}: {', '.join(impls)}" for area, impls in by_area.items())
+        lines.append(f"not supported at any world size (rows folded): {folded}")
     lines.append("legend: p pass, F fail, x expected failure, n not supported, s skipped")
     lines.append("total: " + ", ".join(f"{total[o]} {o}" for o in OUTCOMES if total[o]))
     return lines
