@@ -417,31 +417,15 @@ def make_record(case: Case, result: TaskResult, perf: PerfSession) -> dict:
 
 def add_cross_ratios(records: list[dict]) -> None:
     """``vs_torch_fsdp2`` / ``vs_torch_fsdp1``: this median over upstream's for the same case."""
-    index = {
-        (
-            r["area"],
-            r["path"],
-            r["kind"],
-            r["world_size"],
-            r["shape_set"],
-            r["size_mb"],
-            r["impl"],
-        ): r
-        for r in records
-    }
+
+    def case(record: dict, impl: str) -> tuple:
+        fields = ("area", "path", "kind", "world_size", "shape_set", "size_mb")
+        return (*(record[f] for f in fields), impl)
+
+    index = {case(r, r["impl"]): r for r in records}
     for r in records:
         for upstream in ("torch-fsdp2", "torch-fsdp1"):
-            other = index.get(
-                (
-                    r["area"],
-                    r["path"],
-                    r["kind"],
-                    r["world_size"],
-                    r["shape_set"],
-                    r["size_mb"],
-                    upstream,
-                )
-            )
+            other = index.get(case(r, upstream))
             if other and other["median_s"]:
                 r["vs_" + upstream.replace("-", "_")] = r["median_s"] / other["median_s"]
 
