@@ -81,14 +81,15 @@ def fully_shard(
     )
     managed_modules = _get_managed_modules(modules, ignored_params, _get_module_fsdp_state)
     params, buffers = _get_managed_states(managed_modules, ignored_params)
-    for param in params:  # validate before the move below, which is the first change
-        _resolve_shard_placement(param, shard_placement_fn, mesh_info)
+    # Validate before the move below, which is the first change; the user's function runs once
+    # per parameter (the move keeps the Parameter objects, so the FSDPParams look it up).
+    placements = {p: _resolve_shard_placement(p, shard_placement_fn, mesh_info) for p in params}
     _move_states_to_device(params, buffers, device)
     group = None
     if params:  # builds and validates every FSDPParam before registering any of them
         group = FSDPParamGroup(
             params, modules, mesh_info, post_forward_mesh_info, device,
-            shard_placement_fn, mp_policy, offload_policy,
+            placements.get, mp_policy, offload_policy,
         )  # fmt: skip
     state = FSDPState(modules, device, mp_policy, auto_reshard_after_forward)
     state._fsdp_param_group = group
