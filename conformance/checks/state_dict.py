@@ -82,18 +82,24 @@ FULL_CASES = {
 }
 
 
+def _trained(ctx, kind, **config):
+    """The unwrapped model trained on the global batch (and its expected state dict), the sharded
+    model trained the same way, and the sharded model's ``kind`` state dict."""
+    ref = Net()
+    train(ref, ctx, local=True)
+    model = build(ctx)
+    train(model, ctx)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
+    return ref, expected_state_dict(ref), model, sd
+
+
 @check(area=AREA, requires={base.TRAINING}, cases=FULL_CASES, timeout=30)
 def full_values(ctx, kind, config):
     """S2-S4: after two training steps the full state dict equals the unwrapped model trained on
     the global batch; plain cloned tensors (they keep their values after the model trains on); on
     the CPU with offload; with rank0_only (DCP: full + cpu_offload) ranks other than 0 get {}."""
     require_kind(ctx, kind)
-    ref = Net()
-    train(ref, ctx, local=True)
-    expected = expected_state_dict(ref)
-    model = build(ctx)
-    train(model, ctx)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
+    ref, expected, model, sd = _trained(ctx, kind, **config)
     train(model, ctx, steps=1)  # the parameters move on: a view into them would move too
     live = set()
     for p in model.parameters():
@@ -127,12 +133,7 @@ def sharded_values(ctx, kind):
     whose local piece equals rows [r*ceil(d0/ws), ...) of the unwrapped trained parameter, at that
     offset; ranks past the last chunk hold no rows; buffers are plain tensors."""
     require_kind(ctx, kind)
-    ref = Net()
-    train(ref, ctx, local=True)
-    expected = expected_state_dict(ref)
-    model = build(ctx)
-    train(model, ctx)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
+    ref, expected, model, sd = _trained(ctx, kind)
     assert_clean_keys(ctx, sd)
     assert set(sd) == set(expected), f"{ctx.where()} keys {sorted(sd)} != {sorted(expected)}"
     params = dict(ref.named_parameters())
