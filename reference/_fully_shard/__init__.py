@@ -1,10 +1,10 @@
 """FSDP2, per-parameter sharding: a readable reference of ``torch.distributed.fsdp.fully_shard``.
 
-Files, in reading order: ``_shard_math`` (sizes and padding), ``_fsdp_api`` (policies),
-``_fsdp_common`` (meshes, states), ``_fsdp_param`` (one parameter), ``_fsdp_extensions``
-(all-gather extension hooks), ``_fsdp_collectives``
-(all-gather / reduce-scatter), ``_fsdp_param_group`` (one call's parameters), ``_fsdp_state``
-(hooks, root, lazy init), ``_fsdp_init`` (argument checks), ``_fully_shard`` (the API).
+Reading order: ``_shard_math`` (sizes, padding), ``_fsdp_api`` (policies), ``_fsdp_common``
+(meshes, states), ``_fsdp_param`` (one parameter), ``_fsdp_extensions`` (all-gather extension
+hooks), ``_fsdp_collectives`` (all-gather, reduce-scatter), ``_fsdp_param_group`` (one call's
+parameters), ``_fsdp_state`` (hooks, root, lazy init), ``_fsdp_init`` (argument checks),
+``_fully_shard`` (the API).
 
 Left out, deliberately: DTensor (tensor-parallel) parameters and per-parameter meshes (both
 rejected with ``NotImplementedError``); CUDA streams, prefetching and other overlap machinery;
@@ -16,11 +16,5 @@ accumulation (``set_requires_all_reduce``, ``set_is_last_backward``, ``set_modul
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
 
-__all__ = [
-    "CPUOffloadPolicy",
-    "FSDPModule",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "UnshardHandle",
-    "fully_shard",
-]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ += ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]

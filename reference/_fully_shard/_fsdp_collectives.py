@@ -6,22 +6,23 @@ concatenation of its parameters' all-gather inputs (``i_0 | i_1 | ...``, sizes `
 the output is ``world_size`` such rows back to back. *Copy-in* writes each input straight into
 this rank's own row of the output (no intermediate concatenation), and the all-gather fills the
 other rows in place. *Copy-out* views the output as ``(world_size, sum(s_k))`` and splits its
-columns into each parameter's all-gather output viewed as ``(world_size, s_k)`` in one
+columns into each parameter's all-gather output viewed as ``(world_size, s_k)``, in one
 ``split_with_sizes_copy``. Inputs of different dtypes are gathered as raw bytes (``uint8``).
-A parameter sharded on dim ``d != 0`` comes out as its rank-chunks stacked on dim 0, so its
-copy-out goes through a temporary and a ``cat`` along ``d``.
+A parameter sharded on dim ``d != 0`` comes out as its rank chunks stacked on dim 0, so it goes
+through a temporary from which the chunks are interleaved along ``d``.
 
 [Note: reduce-scatter layout and divide factors]
-Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and split into
-``world_size`` row chunks; row ``r`` of the reduce-scatter input is the concatenation of every
-gradient's chunk ``r`` (``torch._chunk_cat``), so rank ``r`` receives exactly its shards, in the
-same padded layout as ``_sharded_param_data``. Averaging (spec P6): fp32/bf16 use ``AVG``
-(``SUM`` when the data-parallel size is 1); other dtypes (fp16) risk overflow, so they ``SUM``
-with a pre-divide ``pre`` (the largest power of two with ``N % pre == 0 and N / pre > pre``
-doubling rule) and a post-divide ``N / pre``. A custom ``gradient_divide_factor`` ``f`` uses
-``AVG`` when ``f`` equals the reduce-scatter size, else upstream's ``PREMUL_SUM(1 / f)``, which the
-reference spells as a divide by ``f`` before a ``SUM`` (the same sum, on backends without
-``PREMUL_SUM`` such as gloo). With one rank the reduce-scatter is skipped: the divides alone apply.
+Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and cut into
+``world_size`` row chunks; row ``r`` of the reduce-scatter input concatenates every gradient's
+chunk ``r`` (``torch._chunk_cat``), so rank ``r`` receives its shards in the padded layout of
+``_sharded_param_data``. Averaging over the data-parallel size ``N`` (spec P6): fp32/bf16 use
+``AVG`` (``SUM`` when ``N`` is 1); other dtypes (fp16) risk overflow, so they ``SUM`` between a
+pre-divide by ``pre`` (doubled from 1 while ``N % pre == 0 and N / pre > pre``) and a
+post-divide by ``N / pre``. A custom ``gradient_divide_factor`` ``f`` replaces ``N``; for
+fp32/bf16 it uses ``AVG`` when ``f`` is the reduce-scatter size, else upstream's
+``PREMUL_SUM(1 / f)``, which the reference spells as a divide by ``f`` before a ``SUM`` (the same
+sum, on backends without ``PREMUL_SUM`` such as gloo). With one rank the reduce-scatter is
+skipped; the divides alone apply.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def foreach_all_gather_copy_out(
     numels_dtypes = zip(result.param_all_gather_input_numels, result.param_all_gather_input_dtypes)
     for (numels, dtypes), fsdp_param in zip(numels_dtypes, fsdp_params):
         fsdp_param.init_all_gather_outputs(numels, dtypes, world_size, output.device)
-        fsdp_param.alloc_all_gather_outputs()
         outs = fsdp_param.all_gather_outputs
         if fsdp_param.fsdp_placement.dim != 0:
             outs = [torch.empty_like(t) for t in outs]
@@ -98,16 +98,13 @@ def foreach_all_gather_copy_out(
     with torch.autograd._unsafe_preserve_version_counter(tracked) if tracked else nullcontext():
         split_sizes = result.all_gather_input_split_sizes
         torch.split_with_sizes_copy(output.view(world_size, -1), split_sizes, dim=1, out=views)
-    for fsdp_param, temps in non_dim0:
-        shard_dim = fsdp_param.fsdp_placement.dim
-        padded = list(fsdp_param.padded_sharded_param_size)
-        stacked = [padded[0] * world_size, *padded[1:]]
-        catted = list(padded)
-        catted[shard_dim] *= world_size
-        with torch.autograd._unsafe_preserve_version_counter(tuple(fsdp_param.all_gather_outputs)):
-            for temp, target in zip(temps, fsdp_param.all_gather_outputs):
-                chunks = torch.chunk(temp.view(stacked), world_size, dim=0)
-                torch.cat(chunks, dim=shard_dim, out=target.view(catted))
+    for fsdp_param, temps in non_dim0:  # interleave the stacked rank chunks along dim d
+        d, padded = fsdp_param.fsdp_placement.dim, fsdp_param.padded_sharded_param_size
+        outs = fsdp_param.all_gather_outputs
+        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            for temp, out in zip(temps, outs):
+                rank_chunks = temp.view(world_size, *padded).movedim(0, d)
+                out.view(*padded[:d], world_size, *padded[d:]).copy_(rank_chunks)
 
 
 @torch.no_grad()
@@ -125,7 +122,7 @@ def foreach_reduce(
     into the sharded parameters' DTensor ``.grad``. ``unsharded_grads`` is cleared on the way, so
     that the full gradients are freed as soon as the reduce-scatter input holds them."""
     if len(grad_dtypes := {grad.dtype for grad in unsharded_grads}) != 1:
-        raise AssertionError(f"FSDP reduce-scatter expects uniform gradient dtype but got {grad_dtypes}")
+        raise AssertionError(f"FSDP reduce-scatter expects uniform gradient dtype: {grad_dtypes}")
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     predivide, postdivide, rs_op, ar_op = _get_gradient_divide_factors(
         reduce_scatter_group, all_reduce_group, reduce_dtype, gradient_divide_factor
@@ -142,7 +139,8 @@ def foreach_reduce(
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:
         output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
-        dist.reduce_scatter_single(output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group)
+        group = reduce_scatter_group
+        dist.reduce_scatter_single(output, reduce_scatter_input, op=rs_op, group=group)
     else:  # one rank: SUM and AVG leave the input as it is
         output = reduce_scatter_input
     if all_reduce_group is not None:
@@ -167,15 +165,13 @@ def foreach_reduce(
 
 
 def _get_gradient_divide_factors(
-    reduce_scatter_group: dist.ProcessGroup,
-    all_reduce_group: dist.ProcessGroup | None,
-    reduce_dtype: torch.dtype,
-    factor: float | None = None,
-) -> tuple[float | None, float | None, ReduceOp, ReduceOp]:
+    reduce_scatter_group: dist.ProcessGroup, all_reduce_group: dist.ProcessGroup | None,
+    reduce_dtype: torch.dtype, factor: float | None,
+) -> tuple[float | None, float | None, ReduceOp, ReduceOp]:  # fmt: skip
     """``(predivide, postdivide, reduce_scatter_op, all_reduce_op)`` per the Note above."""
-    data_parallel_size = reduce_scatter_group.size()
-    if all_reduce_group is not None:
-        data_parallel_size *= all_reduce_group.size()
+    data_parallel_size = reduce_scatter_group.size() * (
+        all_reduce_group.size() if all_reduce_group is not None else 1
+    )
     if reduce_dtype in (torch.float32, torch.bfloat16):
         if factor is None:
             op = ReduceOp.SUM if data_parallel_size == 1 else ReduceOp.AVG

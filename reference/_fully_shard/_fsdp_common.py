@@ -1,18 +1,16 @@
-"""Shared vocabulary of the FSDP2 reference: mesh descriptions, training states, small helpers.
+"""Shared vocabulary of the FSDP2 reference: meshes, training states, small tensor helpers.
 
 [Note: meshes]
 ``fully_shard`` takes a :class:`DeviceMesh`. A 1-D mesh means plain FSDP: every rank holds one
 shard of each parameter (placement ``(Shard(0),)``). A 2-D mesh ``(replicate, shard)`` means HSDP:
 parameters are sharded over the last dim and replicated over the first (placement
 ``(Replicate(), Shard(0))``); gradients are reduce-scattered over the shard group and then
-all-reduced over the replicate group. ``FSDPMeshInfo`` / ``HSDPMeshInfo`` cache the groups and this
-rank's coordinates so that the rest of the code never re-derives them.
+all-reduced over the replicate group.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -20,29 +18,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-@dataclass
 class FSDPMeshInfo:
-    """A mesh plus the dim parameters are sharded over (``shard_mesh_dim``)."""
+    """A mesh, the dim parameters are sharded over, and this rank's group and rank on it."""
 
-    mesh: DeviceMesh
-    shard_mesh_dim: int
-
-    def __post_init__(self) -> None:
-        self.shard_mesh_size = self.mesh.size(self.shard_mesh_dim)
-        self.shard_process_group = self.mesh.get_group(self.shard_mesh_dim)
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int) -> None:
+        self.mesh, self.shard_mesh_dim = mesh, shard_mesh_dim
+        self.shard_mesh_size = mesh.size(shard_mesh_dim)
+        self.shard_process_group = mesh.get_group(shard_mesh_dim)
         self.shard_mesh_rank = self.shard_process_group.rank()
 
 
-@dataclass
 class HSDPMeshInfo(FSDPMeshInfo):
     """An :class:`FSDPMeshInfo` that also replicates over ``replicate_mesh_dim`` (HSDP)."""
 
-    replicate_mesh_dim: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.replicate_mesh_size = self.mesh.size(self.replicate_mesh_dim)
-        self.replicate_process_group = self.mesh.get_group(self.replicate_mesh_dim)
+    def __init__(self, mesh: DeviceMesh, shard_mesh_dim: int, replicate_mesh_dim: int) -> None:
+        super().__init__(mesh, shard_mesh_dim)
+        self.replicate_mesh_dim = replicate_mesh_dim
+        self.replicate_process_group = mesh.get_group(replicate_mesh_dim)
 
 
 class TrainingState(Enum):
@@ -65,16 +57,11 @@ def _cast_fp_tensor(dtype: torch.dtype, x: object) -> object:
     return x
 
 
-def is_bw() -> bool:
-    """Whether autograd's engine is currently running a backward pass."""
-    return torch._C._current_graph_task_id() != -1
-
-
 _orig_param_uids = itertools.count()
 
 
 def _get_orig_param_uid(param: nn.Parameter) -> int:
-    """A stable id for an original parameter, stored on it (used to reject double wrapping)."""
+    """A stable id stored on an original parameter (to find one sharded by two groups)."""
     if not hasattr(param, "_fsdp_orig_uid"):
         param._fsdp_orig_uid = next(_orig_param_uids)
     return param._fsdp_orig_uid

@@ -7,10 +7,9 @@ Rules:
 * ``reshard_after_forward`` is a bool or an int factor of the shard-mesh size (spec P3): ``1``
   means ``False`` (with a warning), the shard size means ``True``, any other factor reshards
   after forward onto groups of that size.
-* *Managed modules* are the module's subtree minus subtrees already under ``fully_shard`` and
-  minus modules whose every parameter is ignored (and that hold no buffers); shared modules count
-  once. *Managed parameters* are their parameters minus ``ignored_params``, deduplicated. A
-  scalar (0-D) parameter is rejected because it has no dim to shard.
+* *Managed modules* are the module's subtree minus subtrees already under ``fully_shard``;
+  *managed parameters* are their parameters minus ``ignored_params``, each once. A scalar (0-D)
+  parameter is rejected because it has no dim to shard.
 """
 
 from __future__ import annotations
@@ -50,15 +49,14 @@ def _get_mesh_info(mesh: DeviceMesh) -> FSDPMeshInfo:
 def _get_post_forward_mesh_info(
     reshard_after_forward: bool | int, mesh_info: FSDPMeshInfo
 ) -> FSDPMeshInfo | None:
-    """The mesh to reshard to after forward: ``None`` (keep unsharded), the mesh, or a smaller one."""
-    shard_size = mesh_info.shard_mesh_size
-    if not isinstance(reshard_after_forward, (bool, int)):
+    """The mesh to reshard to after forward: ``None`` (stay unsharded), the mesh, or a smaller one."""
+    raf, shard_size = reshard_after_forward, mesh_info.shard_mesh_size
+    if not isinstance(raf, (bool, int)):
         raise ValueError(  # noqa: TRY004 (upstream raises ValueError)
             "reshard_after_forward should be a bool or an int representing the group size to "
-            f"reshard to, not {reshard_after_forward}"
+            f"reshard to, not {raf}"
         )
-    if not isinstance(reshard_after_forward, bool):
-        raf = reshard_after_forward
+    if not isinstance(raf, bool):  # an int: 1 means False, the shard size means True
         if raf < 1 or raf > shard_size or shard_size % raf != 0:
             raise ValueError(
                 "If passing reshard_after_forward as an int, it should be a factor of "
@@ -69,14 +67,13 @@ def _get_post_forward_mesh_info(
                 "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
                 "instead of reshard_after_forward=True (bool)"
             )
-            reshard_after_forward = False
+            raf = False
         elif raf == shard_size:
-            reshard_after_forward = True
-    if isinstance(reshard_after_forward, bool):
-        return mesh_info if reshard_after_forward else None
-    # An int: rows of `reshard_after_forward` consecutive ranks shard, columns replicate.
-    groups = mesh_info.mesh.mesh.view(-1, reshard_after_forward)
-    mesh = DeviceMesh(mesh_info.mesh.device_type, groups)
+            raf = True
+    if isinstance(raf, bool):
+        return mesh_info if raf else None
+    # A smaller group: rows of `raf` consecutive ranks shard, the columns replicate.
+    mesh = DeviceMesh(mesh_info.mesh.device_type, mesh_info.mesh.mesh.view(-1, raf))
     return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
@@ -95,40 +92,20 @@ def _get_device_from_mesh(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, handle.current_device())
 
 
-def _get_managed_modules(
-    root_modules: tuple[nn.Module, ...],
-    ignored_params: set[nn.Parameter] | None,
-    get_state,
-) -> list[nn.Module]:
+def _get_managed_modules(root_modules: tuple[nn.Module, ...], get_state) -> list[nn.Module]:
     """Post-order walk of the subtrees, stopping at modules that already have FSDP state."""
-    modules: list[nn.Module] = []
-    roots, visited = set(root_modules), set()
+    modules: dict[nn.Module, None] = {}  # an ordered set: a shared module counts once
 
     def dfs(module: nn.Module) -> None:
-        if module not in roots and get_state(module) is not None:
-            return  # a nested fully_shard module manages its own subtree
-        visited.add(module)
+        if module in modules or (module not in root_modules and get_state(module) is not None):
+            return  # seen, or a nested fully_shard module that manages its own subtree
         for child in module.children():
-            if child not in visited:
-                dfs(child)
-        modules.append(module)
+            dfs(child)
+        modules[module] = None
 
     for root in root_modules:
         dfs(root)
-    if ignored_params is None:
-        return modules
-    decisions: dict[nn.Module, bool] = {}
-    return [m for m in modules if not _is_fully_ignored(m, ignored_params, decisions)]
-
-
-def _is_fully_ignored(module: nn.Module, ignored: set, decisions: dict) -> bool:
-    if module not in decisions:
-        decisions[module] = (
-            not any(True for _ in module.buffers(recurse=False))
-            and all(p in ignored for p in module.parameters(recurse=False))
-            and all(_is_fully_ignored(c, ignored, decisions) for c in module.children())
-        )
-    return decisions[module]
+    return list(modules)
 
 
 def _get_managed_states(
@@ -151,14 +128,11 @@ def _get_managed_states(
     return list(params), list(buffers)
 
 
-def _move_states_to_device(
-    params: list[nn.Parameter], buffers: list[torch.Tensor], device: torch.device
-) -> None:
+def _move_states_to_device(tensors: list[torch.Tensor], device: torch.device) -> None:
     """Move managed parameters and buffers to the mesh's device (meta tensors stay on meta)."""
-    for tensor in [*params, *buffers]:
-        if tensor.device == device or tensor.device.type == "meta":
-            continue
-        tensor.data = tensor.to(device)
+    for tensor in tensors:
+        if tensor.device != device and tensor.device.type != "meta":
+            tensor.data = tensor.to(device)
 
 
 def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPMeshInfo) -> Shard:
@@ -182,22 +156,18 @@ def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPM
         raise NotImplementedError(
             f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"
         )
-    if placement.dim < 0:
-        placement = Shard(placement.dim + param.ndim)
     if isinstance(param, DTensor):
         raise NotImplementedError(
             "The reference fully_shard does not support DTensor (tensor-parallel) "
             "parameters; apply it to modules whose parameters are plain tensors"
         )
-    shard_dim = placement.dim
-    if shard_dim >= param.ndim:
-        raise AssertionError(
-            f"Shard dim {shard_dim} is invalid for {param.ndim}D tensor: {param.shape}"
-        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}")
     ws = mesh_info.shard_mesh_size
-    if shard_dim > 0 and param.size(shard_dim) % ws != 0:
+    if dim > 0 and param.size(dim) % ws != 0:
         raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {shard_dim}: "
+            f"FSDP does not support uneven sharding on dim {dim}: "
             f"{param.size()} (world size: {ws})"
         )
-    return placement
+    return Shard(dim)

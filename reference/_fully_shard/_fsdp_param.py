@@ -9,14 +9,14 @@ For each parameter FSDP keeps five related tensors (the names are used throughou
   presented as an ``nn.Parameter`` wrapping a ``DTensor`` with the original's global size and
   stride. Its local tensor is a view into ``_sharded_param_data``, a 1-D buffer of the *padded*
   shard size (chunk 0's size) whose tail past this rank's data is zero.
-* **all-gather inputs** (``all_gather_inputs``): what this rank contributes to the all-gather.
-  By default the padded 1-D buffer, cast to ``param_dtype`` when mixed precision is on. An
-  all-gather extension (``fsdp_pre_all_gather`` on the local tensor) may return several tensors.
+* **all-gather inputs** (``all_gather_inputs``): what this rank contributes to the all-gather:
+  the padded 1-D buffer, cast to ``param_dtype`` under mixed precision, or whatever an all-gather
+  extension's ``fsdp_pre_all_gather`` returns.
 * **all-gather outputs** (``all_gather_outputs``): 1-D tensors of ``world_size`` times the input
   numel, one per input, filled by the group's copy-out.
-* **unsharded parameter** (``unsharded_param``): the full parameter used by forward/backward, a
-  view of the all-gather output with the original shape (or the extension's post-all-gather
-  result). It is an autograd leaf.
+* **unsharded parameter** (``unsharded_param``): the full parameter used in forward/backward, an
+  autograd leaf viewing the all-gather output with the original shape (or built by the
+  extension's ``fsdp_post_all_gather``).
 
 [Note: freeing by storage resize]
 Autograd may save the unsharded parameter (or views of it) for backward, so FSDP never replaces
@@ -33,7 +33,6 @@ from enum import Enum, auto
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -46,7 +45,7 @@ from ._fsdp_common import (
     alloc_storage,
     free_storage,
 )
-from ._fsdp_extensions import ExtensionsData, has_extensions, post_all_gather, pre_all_gather
+from ._fsdp_extensions import check_extensions, post_all_gather, pre_all_gather
 from ._fsdp_init import _resolve_shard_placement
 from ._shard_math import contiguous_strides, padded_sharded_size, shard_offset, sharded_size
 
@@ -55,23 +54,22 @@ class ShardedState(Enum):
     """Which of a parameter's forms is registered on its module."""
 
     SHARDED = auto()
-    """The sharded ``DTensor`` parameter is registered; it is the only parameter memory held."""
+    """The sharded ``DTensor`` parameter: the only parameter memory held."""
 
     SHARDED_POST_FORWARD = auto()
     """After forward with an int ``reshard_after_forward``: a copy resharded over a smaller group
-    is registered (a ``DTensor`` on a 2-D mesh, ``(Replicate(), Shard(0))``). It is not meant for
-    computation or in-place edits; both it and the sharded parameter hold memory."""
+    (a ``DTensor`` on a 2-D mesh, ``(Replicate(), Shard(0))``), not meant for computation or
+    in-place edits. It and the sharded parameter both hold memory."""
 
     UNSHARDED = auto()
-    """The full unsharded parameter (a plain tensor) is registered, for forward/backward; both it
-    and the sharded parameter hold memory."""
+    """The full unsharded parameter (a plain tensor), for forward/backward. It and the sharded
+    parameter both hold memory."""
 
 
 @dataclass
 class ParamModuleInfo:
-    """Where a parameter lives: ``module._parameters[param_name]``. A parameter reached through
-    several modules (a shared module or a tied weight) lists the other owners in
-    ``shared_modules`` / ``shared_param_names``, so that every alias is swapped together."""
+    """Where a parameter lives: ``module._parameters[param_name]``, plus the other owners of a
+    parameter reached through several modules (shared module, tied weight), all swapped together."""
 
     module: nn.Module
     param_name: str
@@ -82,9 +80,9 @@ class ParamModuleInfo:
 class FSDPParam:
     """One parameter under FSDP: shards it at construction and moves it between the states.
 
-    Construction validates and shards but does not touch the module; the owning group registers
-    the sharded parameter with :meth:`_attach_to_module` once every parameter of the group has
-    been built, so that a bad parameter leaves the module as it was.
+    Construction validates and shards but does not touch the module: the owning group registers
+    the sharded parameter (:meth:`_attach_to_module`) once every parameter of the group is built,
+    so that a bad parameter leaves the module as it was.
     """
 
     orig_dtype: torch.dtype  # set at lazy init, with the clamped dtypes below
@@ -119,12 +117,12 @@ class FSDPParam:
         self.device, self.mp_policy = device, mp_policy
         self.offload_to_cpu = isinstance(offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload_to_cpu and offload_policy.pin_memory
-        self.all_gather_outputs = []
+        self.all_gather_outputs, self._unsharded_inner_tensors = [], []
         self.unsharded_accumulated_grad = None
         self._sharded_post_forward_param_data = self._sharded_post_forward_param = None
         self._param_fqn: str | None = None  # set at the root's lazy init
         self._init_sharded_param(param, shard_placement_fn)
-        self._init_extensions()
+        check_extensions(self._sharded_local_tensor)
 
     # ---- construction -------------------------------------------------------------------
     @torch.no_grad()
@@ -174,18 +172,16 @@ class FSDPParam:
             param_dtype = None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
-    def _init_extensions(self) -> None:
-        if has_extensions(self._sharded_local_tensor):
-            self._extensions_data = ExtensionsData()
-        self._unsharded_inner_tensors: list[torch.Tensor] = []
-
-    def init_all_gather_outputs(self, numels: list[int], dtypes: list[torch.dtype],
-                                world_size: int, device: torch.device) -> None:
-        """Allocate the 1-D all-gather outputs once; later unshards reuse them."""
+    def init_all_gather_outputs(
+        self, numels: list[int], dtypes: list[torch.dtype], world_size: int, device: torch.device
+    ) -> None:
+        """Allocate the 1-D all-gather outputs on the first unshard; later ones regrow them."""
         if not self.all_gather_outputs:
             self.all_gather_outputs = [
                 torch.empty(n * world_size, dtype=d, device=device) for n, d in zip(numels, dtypes)
             ]
+        for tensor in self.all_gather_outputs:
+            alloc_storage(tensor)
 
     def init_unsharded_param(self) -> None:
         """Create the unsharded parameter on the first unshard (later unshards refill it)."""
@@ -225,10 +221,10 @@ class FSDPParam:
         self._sharded_post_forward_param_data = data = output.narrow(0, numel * j, numel).clone()
         size = torch.Size(sharded_size(self._orig_size, k, j, 0))
         dim0, row = self._orig_size[0], math.prod(self._orig_size[1:])
-        start = min(j * math.ceil(dim0 / k), dim0) * row
+        start = min(shard_offset(self._orig_size, k, j), dim0) * row
         local = data if start == numel * j else output.narrow(0, start, size.numel()).clone()
-        spec = DTensorSpec(info.mesh, (Replicate(), Shard(0)), self._sharding_spec.tensor_meta)
         local = local[: size.numel()].view(size)
+        spec = DTensorSpec(info.mesh, (Replicate(), Shard(0)), self._sharding_spec.tensor_meta)
         self._sharded_post_forward_param = nn.Parameter(
             DTensor(local, spec, requires_grad=False), self.sharded_param.requires_grad
         )
@@ -268,10 +264,6 @@ class FSDPParam:
             self.unsharded_accumulated_grad += self.unsharded_param.grad
             self.unsharded_param.grad = None
 
-    def alloc_all_gather_outputs(self) -> None:
-        for tensor in self.all_gather_outputs:
-            alloc_storage(tensor)
-
     def free_unsharded_param(self) -> None:
         for tensor in [*self.all_gather_outputs, *self._unsharded_inner_tensors]:
             free_storage(tensor)
@@ -302,12 +294,6 @@ class FSDPParam:
     def _sharded_local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
 
-    @property
-    def shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the shard dim (the whole mesh for FSDP, its last dim for HSDP)."""
-        mesh = self.mesh_info.mesh
-        return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
-
     def _assert_in_states(self, *states: ShardedState) -> None:
         if self.sharded_state not in states:
             raise AssertionError(f"Expects to be in one of {states}, not {self.sharded_state}")
@@ -320,8 +306,8 @@ class FSDPParam:
         ``to_empty``, ...) and once at lazy init. The module's current parameter becomes
         ``sharded_param`` (``assign=True`` installs a new object). Unless its local tensor already
         lives in ``_sharded_param_data``, it is copied into a fresh zero-padded buffer of
-        ``padded_sharded_param_size`` and the DTensor's local tensor becomes a narrow view of it.
-        Meta tensors are left alone.
+        ``padded_sharded_param_size`` and the DTensor's local tensor becomes a narrow view of it
+        (a local tensor of the padded size is used as it is). Meta tensors are left alone.
         """
         info = self._module_info
         new_param = getattr(info.module, info.param_name)
@@ -332,26 +318,23 @@ class FSDPParam:
                     f"instead of {self.sharded_param}"
                 )
             self.sharded_param = new_param
-        local = new_param._local_tensor
-        if local.is_meta:
+        self._sharding_spec, local = new_param._spec, new_param._local_tensor
+        data = self._sharded_param_data
+        if local.is_meta or (  # already a view of the padded buffer (a subclass may lack one)
+            type(data) is torch.Tensor
+            and 0 < data.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        ):
             return
-        same = False
-        if type(self._sharded_param_data) is torch.Tensor:  # subclasses may have no storage
-            ptr = self._sharded_param_data.untyped_storage().data_ptr()
-            same = ptr > 0 and ptr == local.untyped_storage().data_ptr()
-        dim = self.fsdp_placement.dim
-        length, updated = local.size(dim), False
-        if local.size() != self.padded_sharded_param_size and not same:
+        dim, padded = self.fsdp_placement.dim, local
+        if local.size() != self.padded_sharded_param_size:
             if dim != 0:
                 raise AssertionError(f"Shard({dim}) requires even sharding: {local.size()=}")
-            local, updated = _padded_copy(local, self.padded_sharded_param_size, dim), True
-        if self.pin_memory and not local.is_pinned():
-            local, updated = local.cpu().pin_memory(), True
-        if not same:
-            self._sharded_param_data = local.view(-1)
-        if updated:
-            self.sharded_param._local_tensor = local.narrow(dim, 0, length)
-        self._sharding_spec = self.sharded_param._spec
+            padded = _padded_copy(local, self.padded_sharded_param_size, dim)
+        if self.pin_memory and not padded.is_pinned():
+            padded = padded.cpu().pin_memory()
+        self._sharded_param_data = padded.view(-1)
+        if padded is not local:
+            self.sharded_param._local_tensor = padded.narrow(dim, 0, local.size(dim))
 
     def __repr__(self) -> str:
         return f"FSDPParam(fqn={self._param_fqn}, orig_size={self._orig_size})"
@@ -359,10 +342,9 @@ class FSDPParam:
 
 @torch.no_grad()
 def _padded_copy(src: torch.Tensor, padded_size: torch.Size, dim: int) -> torch.Tensor:
-    """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it.
-    Only the tail is zero-filled, so the data is written once (not zeroed, then overwritten)."""
+    """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it
+    (only the tail is zeroed, so the data is written once)."""
     out = src.new_empty(padded_size)
-    length = src.size(dim)
-    out.narrow(dim, 0, length).copy_(src)
-    out.narrow(dim, length, padded_size[dim] - length).zero_()
+    out.narrow(dim, 0, src.size(dim)).copy_(src)
+    out.narrow(dim, src.size(dim), padded_size[dim] - src.size(dim)).zero_()
     return out

@@ -1,16 +1,13 @@
 """``FSDPParamGroup``: the parameters of one ``fully_shard`` call, communicated together.
 
 [Note: the life of a group in one iteration]
-``pre_forward`` unshards (one all-gather + copy-out) and registers the unsharded parameters;
-``post_forward`` reshards according to ``reshard_after_forward`` (``True`` → ``SHARDED``,
-``False`` → stays ``UNSHARDED``, an int → ``SHARDED_POST_FORWARD`` on a smaller group). In
-backward, the state's pre-backward hook (on the forward outputs) calls ``pre_backward``, which
-unshards again if needed; ``post_backward`` runs when autograd has produced the gradients of the
-module's inputs (an autograd function wrapped around the forward inputs) or, at the latest, from
-the root's end-of-backward callback. It reshards and reduce-scatters the unsharded gradients into
-the sharded parameters' ``.grad`` (one reduce-scatter per group; HSDP adds one all-reduce).
-This reference runs every collective synchronously on the current stream: the CUDA-stream
-overlap machinery and prefetching of upstream are left out because they change timing only.
+``pre_forward`` unshards (one all-gather and copy-out) and registers the unsharded parameters;
+``post_forward`` reshards per ``reshard_after_forward`` (``True``: ``SHARDED``; ``False``: stays
+``UNSHARDED``; an int: ``SHARDED_POST_FORWARD`` on a smaller group). In backward ``pre_backward``
+unshards again if needed, and ``post_backward`` (run when autograd reaches the module's inputs,
+or at the latest by the root's end-of-backward callback) reshards and reduce-scatters the
+unsharded gradients into the sharded parameters' ``.grad``. Every collective runs synchronously
+on the current stream: upstream's stream overlap and prefetching change timing only.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ from ._fsdp_collectives import (
     foreach_all_gather_copy_out,
     foreach_reduce,
 )
-from ._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, TrainingState, is_bw
+from ._fsdp_common import FSDPMeshInfo, TrainingState
+from ._fsdp_extensions import check_extensions
 from ._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 
 
@@ -62,13 +60,11 @@ class FSDPParamGroup:
             fsdp_param._attach_to_module()
         self._training_state = TrainingState.IDLE
         self._sharded_state = ShardedState.SHARDED
-        self._module_fqn: str | None = None  # set at the root's lazy init
         self._initialized = False
         self._all_gather_result: AllGatherResult | None = None
         self.reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
-        self.unshard_async_op = False
 
     def lazy_init(self) -> None:
         """Once, before the first unshard: re-pad shards the user may have replaced since
@@ -77,7 +73,7 @@ class FSDPParamGroup:
             return
         for fsdp_param in self.fsdp_params:
             fsdp_param.reset_sharded_param()
-            fsdp_param._init_extensions()  # extensions may be patched on after init
+            check_extensions(fsdp_param._sharded_local_tensor)  # hooks may be patched on late
         self._validate_params()
         for fsdp_param in self.fsdp_params:
             fsdp_param.init_dtype_attrs(self.mp_policy)
@@ -142,14 +138,14 @@ class FSDPParamGroup:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         entering_forward = self._training_state != TrainingState.FORWARD
         self._training_state = TrainingState.FORWARD
-        self.unshard(self.unshard_async_op)
+        self.unshard()
         self.wait_for_unshard()
         if entering_forward:
             args, kwargs = self._register_post_backward_hook(args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, input: Any, output: Any) -> Any:
-        if not is_bw():  # a forward re-run inside backward (checkpointing) keeps params
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             self.reshard()
         self._training_state = TrainingState.IDLE
         return output
@@ -157,7 +153,7 @@ class FSDPParamGroup:
     def pre_backward(self, *unused: Any) -> None:
         if self._training_state != TrainingState.PRE_BACKWARD:
             self._training_state = TrainingState.PRE_BACKWARD
-            self.unshard(self.unshard_async_op)
+            self.unshard()
             self.wait_for_unshard()
 
     def post_backward(self, *unused: Any) -> None:
@@ -188,12 +184,11 @@ class FSDPParamGroup:
             grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
-        if with_grad:
-            is_hsdp = isinstance(self.mesh_info, HSDPMeshInfo)
+        if with_grad:  # HSDP also all-reduces over the replicate group
             foreach_reduce(
                 with_grad, grads, self.mesh_info.shard_process_group, self._orig_dtype,
                 self._reduce_dtype, self.device, self.gradient_divide_factor,
-                self.mesh_info.replicate_process_group if is_hsdp else None,
+                getattr(self.mesh_info, "replicate_process_group", None),
             )  # fmt: skip
 
     def _register_post_backward_hook(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -215,25 +210,22 @@ class FSDPParamGroup:
 
     def _validate_params(self) -> None:
         """Parameters must be materialized (not meta), and on CPU when offloading."""
-        if on_meta := [p._param_fqn for p in self.fsdp_params if p.sharded_param.device.type == "meta"]:
+        devices = [(p._param_fqn, p.sharded_param.device) for p in self.fsdp_params]
+        if on_meta := [fqn for fqn, device in devices if device.type == "meta"]:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {on_meta}\n"
                 "For example, call module.to_empty(device) to materialize to device and "
                 "call module.reset_parameters() on each module to initialize values."
             )
-        if not isinstance(self.offload_policy, CPUOffloadPolicy):
-            return
-        if off_cpu := [p for p in self.fsdp_params if p.sharded_param.device.type != "cpu"]:
+        off_cpu = [(fqn, device) for fqn, device in devices if device.type != "cpu"]
+        if isinstance(self.offload_policy, CPUOffloadPolicy) and off_cpu:
             raise RuntimeError(
                 "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
                 'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
                 "Found following parameters on non-CPU device: "
-                f"{[(p._param_fqn, p.sharded_param.device) for p in off_cpu]}\n"
+                f"{off_cpu}\n"
             )
-
-    def __repr__(self) -> str:
-        return f"FSDPParamGroup(fqn={self._module_fqn})"
 
 
 def _get_param_module_infos(

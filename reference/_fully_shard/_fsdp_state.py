@@ -2,12 +2,12 @@
 
 [Note: root and lazy init]
 ``fully_shard`` is applied bottom-up, so no call knows which module will be the root. The *root*
-is the first FSDP module to run forward; at that moment (*lazy init*) it walks its subtree, marks
-every other state non-root, shares one ``FSDPStateContext`` among them, records parameter and
-module FQNs, re-pads shards the user may have replaced, and registers the state-dict hooks.
-A state that was already lazily initialized by running forward on its own is an error, as is a
-grouped ``fully_shard([a, b])`` becoming the root. With ``reshard_after_forward=None`` the root
-keeps its parameters after forward (backward needs them first) and every other module reshards.
+is the first FSDP module to run forward; then (*lazy init*) it walks its subtree, marks every
+other state non-root, shares one ``FSDPStateContext`` among them, names parameters by FQN,
+re-pads shards the user may have replaced and registers the state-dict hooks. A state already
+lazily initialized by its own forward is an error, as is a grouped ``fully_shard([a, b])``
+becoming the root. With ``reshard_after_forward=None`` the root keeps its parameters after
+forward (backward needs them first) and every other module reshards.
 
 Hook order for one module: forward pre-hook (root: lazy init; cast inputs to ``param_dtype``;
 unshard) → ``forward`` → forward hook (reshard per ``reshard_after_forward``; register the
@@ -112,9 +112,12 @@ class FSDPState:
         groups = [s._fsdp_param_group for s in ctx.all_states if s._fsdp_param_group is not None]
         if self._auto_reshard_after_forward and self._fsdp_param_group is not None:
             self._fsdp_param_group.post_forward_mesh_info = None  # the root keeps its params
-        _init_fqns(root_module, groups)
+        fsdp_params = {p.sharded_param: p for group in groups for p in group.fsdp_params}
+        for name, param in root_module.named_parameters():  # FQNs, for messages
+            if param in fsdp_params:
+                fsdp_params[param]._param_fqn = name
         seen: set[int] = set()
-        for fsdp_param in (p for group in groups for p in group.fsdp_params):
+        for fsdp_param in fsdp_params.values():
             if fsdp_param._orig_param_uid in seen:
                 raise ValueError(
                     f"Parameter '{fsdp_param._param_fqn}' is shared with a parameter already "
@@ -218,15 +221,3 @@ class FSDPState:
             state._training_state = TrainingState.IDLE
         ctx.post_backward_final_callback_queued = False
 
-
-def _init_fqns(root_module: nn.Module, groups: list[FSDPParamGroup]) -> None:
-    """Name every managed parameter and group by its FQN from the root (for messages)."""
-    fsdp_params = {p.sharded_param: p for group in groups for p in group.fsdp_params}
-    for name, param in root_module.named_parameters():
-        if param in fsdp_params:
-            fsdp_params[param]._param_fqn = name
-    module_groups = {module: group for group in groups for module in group.modules}
-    for name, module in root_module.named_modules():
-        if (group := module_groups.get(module)) is not None:
-            fqn = group._module_fqn
-            group._module_fqn = name if fqn is None else f"{fqn}, {name}"

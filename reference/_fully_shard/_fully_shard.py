@@ -3,7 +3,7 @@
 ``fully_shard(module)`` shards the parameters the module manages (those not already under a
 nested ``fully_shard``) into one :class:`FSDPParamGroup`, registers the forward hooks, and swaps
 the module's class to a dynamic subclass ``FSDP<Name>`` of ``(FSDPModule, <Name>)`` so that the
-FSDP methods below become available on it. Apply it bottom-up: to each block, then to the root.
+methods below become available on it. Apply it bottom-up: to each block, then to the root.
 """
 
 from __future__ import annotations
@@ -47,17 +47,12 @@ def fully_shard(
 ):
     """Shard ``module``'s managed parameters over ``mesh`` and return ``module`` (in place).
 
-    Args (as upstream ``torch.distributed.fsdp.fully_shard``):
-        module: a module, or a list of modules to group into one all-gather / reduce-scatter.
-        mesh: 1-D (FSDP) or 2-D named ``(replicate, shard)`` (HSDP) mesh; defaults to the whole
-            default group on the build's accelerator (or CPU).
-        reshard_after_forward: ``True`` free after forward; ``False`` keep; ``None`` = ``False``
-            for the root and ``True`` otherwise; an int reshards onto groups of that size.
-        shard_placement_fn: ``param -> Shard(d) | None`` to shard on dim ``d`` (``None``: dim 0).
-            Dims other than 0 must divide evenly by the shard-mesh size.
-        mp_policy / offload_policy: see :class:`MixedPrecisionPolicy` / ``CPUOffloadPolicy``.
-        ignored_params: parameters left alone (not sharded, not moved, grads not reduced).
-
+    ``module`` may be a list, grouped into one all-gather / reduce-scatter. ``mesh``: 1-D (FSDP)
+    or 2-D named ``(replicate, shard)`` (HSDP); default: the whole default group on the build's
+    accelerator (or CPU). ``reshard_after_forward``: ``True`` free after forward, ``False`` keep,
+    ``None`` keep for the root and free otherwise, an int reshard onto groups of that size.
+    ``shard_placement_fn``: ``param -> Shard(d) | None`` (``None``: dim 0; other dims must divide
+    evenly). ``ignored_params`` are left alone: not sharded, not moved, grads not reduced.
     Every argument is checked before the module is changed.
     """
     _validate_module(module, "fully_shard")
@@ -73,29 +68,24 @@ def fully_shard(
                 f"once. fully_shard has already been applied to the following module:\n{m}"
             )
     mesh = mesh or _init_default_mesh()
-    mesh_info = _get_mesh_info(mesh)
-    device = _get_device_from_mesh(mesh)
+    mesh_info, device = _get_mesh_info(mesh), _get_device_from_mesh(mesh)
     auto_reshard_after_forward = reshard_after_forward is None
     post_forward_mesh_info = _get_post_forward_mesh_info(
         True if auto_reshard_after_forward else reshard_after_forward, mesh_info
     )
-    managed_modules = _get_managed_modules(modules, ignored_params, _get_module_fsdp_state)
+    managed_modules = _get_managed_modules(modules, _get_module_fsdp_state)
     params, buffers = _get_managed_states(managed_modules, ignored_params)
     # Validate before the move below, which is the first change; the user's function runs once
     # per parameter (the move keeps the Parameter objects, so the FSDPParams look it up).
     placements = {p: _resolve_shard_placement(p, shard_placement_fn, mesh_info) for p in params}
-    _move_states_to_device(params, buffers, device)
+    _move_states_to_device([*params, *buffers], device)
     group = None
     if params:  # builds and validates every FSDPParam before registering any of them
         group = FSDPParamGroup(
             params, modules, mesh_info, post_forward_mesh_info, device,
             placements.get, mp_policy, offload_policy,
         )  # fmt: skip
-    state = FSDPState(modules, device, mp_policy, auto_reshard_after_forward)
-    state._fsdp_param_group = group
-    for managed_module in managed_modules:
-        managed_module._is_fsdp_managed_module = True
-        managed_module._fsdp_use_orig_params = True
+    FSDPState(modules, device, mp_policy, auto_reshard_after_forward)._fsdp_param_group = group
     for m in modules:  # swap in the FSDP<Name> class
         cls = type(m)
         if cls not in cls_to_fsdp_cls:
@@ -182,14 +172,12 @@ class FSDPModule:
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, all or nothing.
+        """``nn.Module.load_state_dict``, all or nothing, on the sharded ``DTensor`` s (load
+        ``DTensor`` s with the same placements; plain tensors are rejected, spec P8).
 
         Upstream copies the valid entries before it raises for a bad one; the reference puts every
-        parameter and buffer of the module tree back (object and values) before re-raising, so a
-        failed load changes nothing. (With ``assign=True`` the old tensors are not written, so
-        only the objects are kept; otherwise their values are cloned first.) Loading works on the
-        sharded ``DTensor`` s: load a dict of ``DTensor`` s with the same placements (plain
-        tensors are rejected, spec P8).
+        parameter and buffer of the module tree back (object, and values unless ``assign=True``,
+        which never writes the old tensors) before re-raising, so a failed load changes nothing.
         """
         saved = []
         with torch.no_grad():
@@ -197,31 +185,32 @@ class FSDPModule:
                 if isinstance(module, FSDPModule):
                     module.reshard()
                 for table in (module._parameters, module._buffers):
-                    for name, tensor in table.items():
-                        keep = tensor is not None and not assign
-                        saved.append((table, name, tensor, _local(tensor).clone() if keep else None))
+                    for name, t in table.items():
+                        copy = _local(t).clone() if t is not None and not assign else None
+                        saved.append((table, name, t, copy))
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except Exception:
             with torch.no_grad():
-                for table, name, tensor, copy in saved:
-                    table[name] = tensor
+                for table, name, t, copy in saved:
+                    table[name] = t
                     if copy is not None:
-                        _local(tensor).copy_(copy)
-                for group in self._groups(recurse=True):
-                    for fsdp_param in group.fsdp_params:
-                        fsdp_param.reset_sharded_param()
+                        _local(t).copy_(copy)
+                self._reset_sharded_params(recurse=True)
             raise
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``to`` / ``to_empty`` / ``cpu`` ...: reshard, apply, then re-pad every shard."""
         self.reshard()
         ret = super()._apply(*args, **kwargs)
-        with torch.no_grad():
-            for group in self._groups(recurse=False):
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.reset_sharded_param()
+        self._reset_sharded_params(recurse=False)
         return ret
+
+    @torch.no_grad()
+    def _reset_sharded_params(self, recurse: bool) -> None:
+        for group in self._groups(recurse):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
 
 
 class UnshardHandle:
