@@ -32,18 +32,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from reference.wrap import (
-    _or_policy,
-    _Policy,
-    _recursive_wrap,
-    _wrap_module_cls_individually,
-)
-
-# ---------------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------------
+from reference.wrap import _or_policy, _Policy, _recursive_wrap, _wrap_module_cls_individually
 
 
+# ---- Entry point ----------------------------------------------------------------------------
 def _auto_wrap(
     root_module: nn.Module,
     policy: Callable | _Policy,
@@ -100,11 +92,7 @@ def _auto_wrap(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Post-order application (the `_Policy` path; also reused by activation checkpointing)
-# ---------------------------------------------------------------------------------------------
-
-
+# ---- Post-order application (the `_Policy` path; also reused by activation checkpointing) ---
 def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Module | None]) -> None:
     """Call ``fn`` on every module of the tree, children before parents.
 
@@ -157,9 +145,7 @@ def _construct_wrap_fn(
     return fn
 
 
-# ---------------------------------------------------------------------------------------------
-# W6: no nested FSDP
-# ---------------------------------------------------------------------------------------------
+# ---- W6: no nested FSDP ---------------------------------------------------------------------
 
 # Extra "does this module already have FSDP applied?" checks, for implementations this file
 # cannot know about (register with `_register_fsdp_state_check`).
@@ -208,9 +194,7 @@ def _check_nested_wrapping(root_module: nn.Module) -> None:
             )
 
 
-# ---------------------------------------------------------------------------------------------
-# W11: modules kept out of mixed precision (batch norm by default)
-# ---------------------------------------------------------------------------------------------
+# ---- W11: modules kept out of mixed precision (batch norm by default) -----------------------
 
 # module -> dtype of the floating-point input its pre-hook last cast to fp32 (restored on output)
 _MODULE_TO_INP_DTYPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -311,11 +295,7 @@ def _cast_outputs_back(module: nn.Module, args: Any, output: Any) -> Any:
     return tree_map_only(torch.Tensor, cast, output)
 
 
-# ---------------------------------------------------------------------------------------------
-# W12: uniformly frozen parameters per unit
-# ---------------------------------------------------------------------------------------------
-
-
+# ---- W12: uniformly frozen parameters per unit ----------------------------------------------
 def _validate_frozen_params(
     root_module: nn.Module,
     modules_to_wrap: set[nn.Module],
