@@ -139,8 +139,9 @@ def foreach_reduce(
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:
         output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
-        group = reduce_scatter_group
-        dist.reduce_scatter_single(output, reduce_scatter_input, op=rs_op, group=group)
+        dist.reduce_scatter_single(
+            output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group
+        )
     else:  # one rank: SUM and AVG leave the input as it is
         output = reduce_scatter_input
     if all_reduce_group is not None:
@@ -169,9 +170,9 @@ def _get_gradient_divide_factors(
     reduce_dtype: torch.dtype, factor: float | None,
 ) -> tuple[float | None, float | None, ReduceOp, ReduceOp]:  # fmt: skip
     """``(predivide, postdivide, reduce_scatter_op, all_reduce_op)`` per the Note above."""
-    data_parallel_size = reduce_scatter_group.size() * (
-        all_reduce_group.size() if all_reduce_group is not None else 1
-    )
+    data_parallel_size = reduce_scatter_group.size()
+    if all_reduce_group is not None:
+        data_parallel_size *= all_reduce_group.size()
     if reduce_dtype in (torch.float32, torch.bfloat16):
         if factor is None:
             op = ReduceOp.SUM if data_parallel_size == 1 else ReduceOp.AVG

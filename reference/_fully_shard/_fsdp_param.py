@@ -344,7 +344,7 @@ class FSDPParam:
 def _padded_copy(src: torch.Tensor, padded_size: torch.Size, dim: int) -> torch.Tensor:
     """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it
     (only the tail is zeroed, so the data is written once)."""
-    out = src.new_empty(padded_size)
-    out.narrow(dim, 0, src.size(dim)).copy_(src)
-    out.narrow(dim, src.size(dim), padded_size[dim] - src.size(dim)).zero_()
+    out, length = src.new_empty(padded_size), src.size(dim)
+    out.narrow(dim, 0, length).copy_(src)
+    out.narrow(dim, length, padded_size[dim] - length).zero_()
     return out

@@ -47,12 +47,17 @@ def fully_shard(
 ):
     """Shard ``module``'s managed parameters over ``mesh`` and return ``module`` (in place).
 
-    ``module`` may be a list, grouped into one all-gather / reduce-scatter. ``mesh``: 1-D (FSDP)
-    or 2-D named ``(replicate, shard)`` (HSDP); default: the whole default group on the build's
-    accelerator (or CPU). ``reshard_after_forward``: ``True`` free after forward, ``False`` keep,
-    ``None`` keep for the root and free otherwise, an int reshard onto groups of that size.
-    ``shard_placement_fn``: ``param -> Shard(d) | None`` (``None``: dim 0; other dims must divide
-    evenly). ``ignored_params`` are left alone: not sharded, not moved, grads not reduced.
+    Args (as upstream ``torch.distributed.fsdp.fully_shard``):
+        module: a module, or a list of modules to group into one all-gather / reduce-scatter.
+        mesh: 1-D (FSDP) or 2-D named ``(replicate, shard)`` (HSDP) mesh; defaults to the whole
+            default group on the build's accelerator (or CPU).
+        reshard_after_forward: ``True`` free after forward; ``False`` keep; ``None`` = ``False``
+            for the root and ``True`` otherwise; an int reshards onto groups of that size.
+        shard_placement_fn: ``param -> Shard(d) | None`` to shard on dim ``d`` (``None``: dim 0).
+            Dims other than 0 must divide evenly by the shard-mesh size.
+        mp_policy / offload_policy: see :class:`MixedPrecisionPolicy` / ``CPUOffloadPolicy``.
+        ignored_params: parameters left alone (not sharded, not moved, grads not reduced).
+
     Every argument is checked before the module is changed.
     """
     _validate_module(module, "fully_shard")
