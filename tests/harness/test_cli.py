@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SELFCHECKS = "tests/harness/selfchecks"
+# The fake implementation on the harness self-test checks (instead of the real check areas).
+FAKE_ON_SELFCHECKS = ["--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", SELFCHECKS]
 
 
 def run_conformance(*args, env=None, timeout=300):
@@ -80,10 +82,7 @@ def test_entry_point_plugin_of_an_installed_distribution(tmp_path):
 def test_expectation_without_reason_is_rejected(tmp_path):
     (tmp_path / "fake.txt").write_text("selftest::passes\n")
     proc = run_conformance(
-        "--impl",
-        "tests.harness.fake_impl:FakeImpl",
-        "--check-dir",
-        SELFCHECKS,
+        *FAKE_ON_SELFCHECKS,
         "--expectations-dir",
         str(tmp_path),
         "--world-sizes",
@@ -104,10 +103,7 @@ def selftest_run(tmp_path_factory):
     )
     start = time.monotonic()
     proc = run_conformance(
-        "--impl",
-        "tests.harness.fake_impl:FakeImpl",
-        "--check-dir",
-        SELFCHECKS,
+        *FAKE_ON_SELFCHECKS,
         "--expectations-dir",
         str(tmp / "exp"),
         "--world-sizes",
@@ -186,10 +182,7 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
             sys.executable,
             "-m",
             "conformance",
-            "--impl",
-            "tests.harness.fake_impl:FakeImpl",
-            "--check-dir",
-            SELFCHECKS,
+            *FAKE_ON_SELFCHECKS,
             "--world-sizes",
             "2",
             "-k",
@@ -230,10 +223,7 @@ def test_under_torchrun_checks_run_in_process_and_rank0_reports(tmp_path):
             str(_free_port()),
             "-m",
             "conformance",
-            "--impl",
-            "tests.harness.fake_impl:FakeImpl",
-            "--check-dir",
-            SELFCHECKS,
+            *FAKE_ON_SELFCHECKS,
             "-k",
             "selftest and (passes or fails_on_rank1 or needs_hsdp)",
             "--reports-dir",
