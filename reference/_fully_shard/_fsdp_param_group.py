@@ -48,7 +48,7 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
     ):
-        self.modules, self.mesh_info, self.device = modules, mesh_info, device
+        self.mesh_info, self.device = mesh_info, device
         self.post_forward_mesh_info = post_forward_mesh_info
         self.mp_policy, self.offload_policy = mp_policy, offload_policy
         self.fsdp_params = [
