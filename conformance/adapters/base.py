@@ -107,6 +107,11 @@ class Implementation:
         order) and this rank's padded 1-D shard."""
         raise NotSupported("flat_shards")
 
+    def flat_grads(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor | None]]:
+        """Flat-parameter layouts only: as ``flat_shards``, with each flat parameter's gradient
+        after backward (this rank's padded 1-D shard of the reduced gradient) or None."""
+        raise NotSupported("flat_grads")
+
     # -- state dict ----------------------------------------------------------------------------
     def state_dict(self, module: nn.Module, kind: str = "full", **config) -> dict:
         """This rank's state dict of ``module`` of the given ``kind``; keys are clean FQNs.

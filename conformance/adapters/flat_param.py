@@ -46,7 +46,7 @@ class FlatParamAdapter(NamespaceImplementation):
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(
-        {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules"}
+        {"mixed_precision", "use_orig_params", "cpu_offload", "ignored_modules", "mesh"}
     )
 
     @property
@@ -65,6 +65,8 @@ class FlatParamAdapter(NamespaceImplementation):
             kwargs["mixed_precision"] = self.ns.MixedPrecision(**options["mixed_precision"])
         if options.get("ignored_modules"):
             kwargs["ignored_modules"] = options["ignored_modules"]
+        if options.get("mesh") is not None:
+            kwargs["device_mesh"] = options["mesh"]
         entries = plan_entries(plan)
         root_extra = dict(entries[-1][1]) if entries[-1][0] == "" else {}
         children = {module.get_submodule(fqn): extra for fqn, extra in entries if fqn != ""}
@@ -88,6 +90,12 @@ class FlatParamAdapter(NamespaceImplementation):
     def flat_shards(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
         return [
             ([_join(prefix, f) for f in flat._fqns], flat.detach())
+            for prefix, flat in self._flat_params(module)
+        ]
+
+    def flat_grads(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor | None]]:
+        return [
+            ([_join(prefix, f) for f in flat._fqns], flat.grad)
             for prefix, flat in self._flat_params(module)
         ]
 
