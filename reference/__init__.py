@@ -8,8 +8,8 @@ covers:
   (``reference/_fully_shard/``).
 * FSDP1 (flat-parameter sharding): :class:`FullyShardedDataParallel`, :class:`StateDictType`,
   the state-dict configs, :class:`MixedPrecision`, :class:`ShardingStrategy`
-  (``reference/fully_sharded_data_parallel.py`` and its neighbours).
-* Auto-wrap policies: :mod:`reference.wrap`.
+  (``reference/_fsdp1/``).
+* Auto-wrap policies, applying and planning them: :mod:`reference.wrap` (``reference/wrap/``).
 
 This package imports torch only; it never imports the conformance harness.
 Names resolve lazily so that reading one part never requires importing the others.
@@ -29,7 +29,7 @@ _EXPORTS = {
     "OffloadPolicy": "reference._fully_shard",
     "CPUOffloadPolicy": "reference._fully_shard",
     # FSDP1
-    "FullyShardedDataParallel": "reference.fully_sharded_data_parallel",
+    "FullyShardedDataParallel": "reference._fsdp1.fully_sharded_data_parallel",
     "StateDictType": "reference.api",
     "StateDictConfig": "reference.api",
     "FullStateDictConfig": "reference.api",

@@ -1,6 +1,6 @@
 """Pure layout arithmetic of the flat parameter (no tensors of a model, no process group).
 
-Vocabulary: see ``[Note: flat-parameter vocabulary]`` in :mod:`reference._flat_param`. These are
+Vocabulary: see ``[Note: flat-parameter vocabulary]`` in :mod:`reference._fsdp1._flat_param`. These are
 the rules the property tests check against ``torch.chunk`` and the 16-byte alignment.
 """
 

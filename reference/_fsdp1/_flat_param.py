@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference._fsdp1_flat_layout import (
+from reference._fsdp1._flat_layout import (
     ParamInfo,
     SharedParamInfo,
     aligned_numel,

@@ -1,7 +1,7 @@
 """Construction helpers of the FSDP1 wrapper: strategy clamp, managed tensors, compute device.
 
 Vocabulary (managed parameters, owned buffers, root): see ``[Note: the FSDP1 module tree]`` in
-:mod:`reference.fully_sharded_data_parallel`.
+:mod:`reference._fsdp1.fully_sharded_data_parallel`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from reference._flat_param import FlatParameter
+from reference._fsdp1._flat_param import FlatParameter
 from reference.api import ShardingStrategy
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
     return isinstance(module, FullyShardedDataParallel)
 

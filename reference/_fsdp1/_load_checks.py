@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from reference._flat_param import FlatParameter
+from reference._fsdp1._flat_param import FlatParameter
 from reference.api import ShardingStrategy, StateDictType
 
 if TYPE_CHECKING:
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
 _FSDP_PREFIX = "_fsdp_wrapped_module."
 _CKPT_PREFIX = "_checkpoint_wrapped_module."
@@ -48,7 +48,7 @@ def _expected_entries(root: FullyShardedDataParallel, prefix: str) -> dict[str, 
     """Key -> ``(kind, shape, fsdp)`` for every tensor the tree expects; ``kind`` is "param"
     (FSDP-managed original parameter), "flat" (LOCAL flat parameter) or "plain" (buffer or
     parameter of an ignored module)."""
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
     expected: dict[str, tuple] = {}
     managed_ids: set[int] = set()

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from reference._flat_param import FLAT_PARAM
+from reference._fsdp1._flat_param import FLAT_PARAM
 
 if TYPE_CHECKING:
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 class TrainingState(Enum):
@@ -47,7 +47,7 @@ def _lazy_init(state: FullyShardedDataParallel) -> None:
     Casts each FSDP module's own buffers to its ``buffer_dtype`` (ignored buffers never), once.
     The original buffer dtypes were recorded at construction and are what state dicts save.
     """
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
     if state._lazy_init_done:
         return
@@ -222,7 +222,7 @@ def _unshard_params(
     with_grads: bool,
 ) -> Iterator[None]:
     """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``)."""
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 
     own = [module] if isinstance(module, FSDP) else []
     states = FSDP.fsdp_modules(module) if recurse else own

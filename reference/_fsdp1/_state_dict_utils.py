@@ -45,13 +45,13 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
-from reference._flat_param import FLAT_PARAM
-from reference._fsdp1_load_checks import _validate_load_input
-from reference._fsdp1_runtime import _lazy_init, _unshard_fsdp_state_params
+from reference._fsdp1._flat_param import FLAT_PARAM
+from reference._fsdp1._load_checks import _validate_load_input
+from reference._fsdp1._runtime_utils import _lazy_init, _unshard_fsdp_state_params
 from reference.api import FullStateDictConfig, ShardingStrategy, StateDictType
 
 if TYPE_CHECKING:
-    from reference.fully_sharded_data_parallel import FullyShardedDataParallel
+    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 FULL, LOCAL, SHARDED = (

@@ -3,7 +3,7 @@
 [Note: the FSDP1 module tree]
   ``FSDP(module)`` becomes the parent of ``module`` under the child name ``_fsdp_wrapped_module``.
   The parameters of ``module`` that are not owned by a nested FSDP module or by an ignored module
-  are *managed*: they are flattened into one :class:`~reference._flat_param.FlatParameter`
+  are *managed*: they are flattened into one :class:`~reference._fsdp1._flat_param.FlatParameter`
   registered as ``_fsdp_wrapped_module._flat_param`` (``use_orig_params=False``; the original
   names disappear from the module until an unshard) or kept as 1-D sharded views under their own
   names (``use_orig_params=True``). ``FSDP(Sequential(FSDP(lin1), lin2))`` therefore has the two
@@ -34,16 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference._flat_param import FlatParameter, FlatParamHandle
-from reference._fsdp1_init import (
+from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
+from reference._fsdp1._init_utils import (
     FSDP_WRAPPED_MODULE,
     _clamp_strategy,
     _clean,
     _compute_device,
     _managed_tensors,
 )
-from reference._fsdp1_runtime import TrainingState, _forward, _unshard_params
-from reference._state_dict_utils import _register_all_state_dict_hooks
+from reference._fsdp1._runtime_utils import TrainingState, _forward, _unshard_params
+from reference._fsdp1._state_dict_utils import _register_all_state_dict_hooks
 from reference.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -166,7 +166,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
 
         if auto_wrap_policy is not None:
-            from reference._wrap_utils import _auto_wrap
+            from reference.wrap._wrap_utils import _auto_wrap
 
             root_kwargs = {
                 "process_group": process_group,

@@ -1,8 +1,9 @@
 """Auto-wrap policies: which submodules of a model become their own sharded unit.
 
-This file mirrors ``torch.distributed.fsdp.wrap`` name for name. The machinery that applies a
-policy to a model lives in :mod:`reference._wrap_utils`; a side-effect-free "what would be
-wrapped" answer lives in :mod:`reference._wrap_plan`.
+This file mirrors ``torch.distributed.fsdp.wrap`` name for name (all re-exported by
+:mod:`reference.wrap`). The machinery that applies a policy to a model lives in
+:mod:`reference.wrap._wrap_utils`; a side-effect-free "what would be wrapped" answer lives in
+:mod:`reference.wrap._wrap_plan`.
 
 [Note: auto-wrap vocabulary]
   root module        the module handed to the FSDP constructor. The caller shards it itself, so
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, ClassVar
@@ -377,21 +377,3 @@ def _recursive_wrap(
     ):
         return _wrap(module, wrapper_cls, **kwargs), numel
     return module, wrapped
-
-
-# Names defined in neighbour modules that import this one (so they are resolved on first use):
-# the traversal helpers, which upstream defines in this module, and the wrap plan.
-_NEIGHBOURS = {
-    "_post_order_apply": "reference._wrap_utils",
-    "_construct_wrap_fn": "reference._wrap_utils",
-    "_run_mixed_precision_override_policy": "reference._wrap_utils",
-    "build_wrap_plan": "reference._wrap_plan",
-    "WrapPlan": "reference._wrap_plan",
-    "WrapPlanEntry": "reference._wrap_plan",
-}
-
-
-def __getattr__(name: str):
-    if name in _NEIGHBOURS:
-        return getattr(importlib.import_module(_NEIGHBOURS[name]), name)
-    raise AttributeError(f"module 'reference.wrap' has no attribute {name!r}")

@@ -36,7 +36,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from reference._wrap_utils import (
+from reference.wrap._policies import (
+    _or_policy,
+    _Policy,
+    _recursive_wrap,
+    _wrap_module_cls_individually,
+)
+from reference.wrap._wrap_utils import (
     _check_nested_wrapping,
     _classes_present,
     _has_fsdp_state,
@@ -46,7 +52,6 @@ from reference._wrap_utils import (
     _validate_frozen_params,
     _warn_on_overridden_mixed_precision,
 )
-from reference.wrap import _or_policy, _Policy, _recursive_wrap, _wrap_module_cls_individually
 
 __all__ = ["WrapPlan", "WrapPlanEntry", "build_wrap_plan"]
 

@@ -32,7 +32,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from reference.wrap import _or_policy, _Policy, _recursive_wrap, _wrap_module_cls_individually
+from reference.wrap._policies import (
+    _or_policy,
+    _Policy,
+    _recursive_wrap,
+    _wrap_module_cls_individually,
+)
 
 
 # ---- Entry point ----------------------------------------------------------------------------
@@ -171,7 +176,7 @@ def _has_fsdp_state(module: nn.Module) -> bool:
     if _get_module_fsdp_state(module) is not None or isinstance(module, TorchFSDPModule):
         return True
     for module_path, class_name in (
-        ("reference.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+        ("reference._fsdp1.fully_sharded_data_parallel", "FullyShardedDataParallel"),
         ("reference._fully_shard", "FSDPModule"),
     ):
         cls = getattr(sys.modules.get(module_path), class_name, None)
@@ -385,12 +390,3 @@ def _get_managed_param_to_fqn(
             visited_modules.add(child)
             queue.append((child, f"{prefix}.{child_name}" if prefix else child_name))
     return result
-
-
-# Seed-era names that live in `reference._wrap_plan` (which imports this module).
-def __getattr__(name: str):
-    if name in ("FullyShardedModuleState", "_get_fully_sharded_module_to_states"):
-        from reference import _wrap_plan
-
-        return getattr(_wrap_plan, name)
-    raise AttributeError(f"module 'reference._wrap_utils' has no attribute {name!r}")

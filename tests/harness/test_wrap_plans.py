@@ -12,7 +12,7 @@ from conformance.checks import _wrap_models as zoo
 from conformance.checks import wrap
 
 
-class _Entry:  # shaped like reference._wrap_plan.WrapPlanEntry
+class _Entry:  # shaped like reference.wrap._wrap_plan.WrapPlanEntry
     def __init__(self, module_fqn, kwargs):
         self.module_fqn, self.kwargs, self.param_fqns = module_fqn, MappingProxyType(kwargs), ()
 

@@ -1,4 +1,4 @@
-"""Property tests of the flat-parameter layout (reference/_flat_param.py).
+"""Property tests of the flat-parameter layout (reference/_fsdp1/_flat_param.py).
 
 Expected values come from the rules, computed independently: ``torch.chunk`` for shard sizes,
 ``ceil(N / world_size)`` for the chunk size, ``16 bytes / itemsize`` for alignment, and the
@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from torch import nn
 from torch._C._distributed_c10d import FakeProcessGroup
 
-from reference._flat_param import FlatParamHandle
-from reference._fsdp1_flat_layout import (
+from reference._fsdp1._flat_layout import (
     aligned_numel,
     flat_layout,
     shard_param_infos,
     shard_range,
 )
+from reference._fsdp1._flat_param import FlatParamHandle
 
 world_sizes = st.integers(min_value=1, max_value=8)
 numel_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=6)

@@ -1,4 +1,4 @@
-"""Tests for the side-effect-free wrap plan (``reference._wrap_plan.build_wrap_plan``).
+"""Tests for the side-effect-free wrap plan (``reference.wrap._wrap_plan.build_wrap_plan``).
 
 The oracle is torch 2.13's FSDP1: ``FullyShardedDataParallel(model, auto_wrap_policy=...)`` in
 one process with a rank/size-only process group and ``device_id=cpu``, and torch's own
@@ -22,9 +22,9 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp import _wrap_utils as torch_wrap_utils
 from torch.distributed.fsdp import wrap as TW
 
-from reference import _wrap_utils as wu
 from reference import wrap as W
-from reference._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
+from reference.wrap import _wrap_utils as wu
+from reference.wrap._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
 
 CPU = torch.device("cpu")
 

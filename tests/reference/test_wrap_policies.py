@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from reference import _wrap_utils as wu
 from reference import wrap as W
-from reference._wrap_plan import FullyShardedModuleState, _get_fully_sharded_module_to_states
+from reference.wrap import _wrap_utils as wu
+from reference.wrap._wrap_plan import FullyShardedModuleState, _get_fully_sharded_module_to_states
 
 
 class Unit(nn.Module):
@@ -102,8 +102,7 @@ def test_public_names():
     }
     for name in ("_post_order_apply", "_construct_wrap_fn", "_run_mixed_precision_override_policy"):
         assert getattr(W, name) is getattr(wu, name)
-    assert wu.FullyShardedModuleState is FullyShardedModuleState
-    from reference import _wrap_plan
+    from reference.wrap import _wrap_plan
 
     for name in ("build_wrap_plan", "WrapPlan", "WrapPlanEntry"):
         assert getattr(W, name) is getattr(_wrap_plan, name)
@@ -239,7 +238,7 @@ def test_w6_nested_wrapping_detection_paths(monkeypatch):
 
     monkeypatch.setitem(
         sys.modules,
-        "reference.fully_sharded_data_parallel",
+        "reference._fsdp1.fully_sharded_data_parallel",
         types.SimpleNamespace(FullyShardedDataParallel=MyFsdp1),
     )
     monkeypatch.setitem(
@@ -720,7 +719,7 @@ def test_w16_sibling_sharing_first_owner_and_lca():
     assert {id(p) for p in lca[m].params} == {id(m.lin.weight), id(m.seq1[0].weight)}
     assert _same(lca[m.seq1].params, [m.seq1[1].weight])
     assert _same(lca[m.seq2].params, [m.seq2[1].weight]) and lca[m.seq2[0]].params == []
-    from reference._wrap_plan import _get_shared_param_to_lca_module
+    from reference.wrap._wrap_plan import _get_shared_param_to_lca_module
 
     mapping = _get_shared_param_to_lca_module(m, set())
     assert len(mapping) == 1 and mapping[m.seq1[0].weight] is m

@@ -1,0 +1,50 @@
+"""The wrap part: auto-wrap policies, applying them, and planning them without side effects.
+
+``reference.wrap`` reads like ``torch.distributed.fsdp.wrap``. Three modules, each importing only
+the ones before it:
+
+* ``_policies``: the policies (callable and ``_Policy``), ``enable_wrap`` / ``wrap`` and
+  ``_recursive_wrap`` (upstream's ``wrap.py``);
+* ``_wrap_utils``: applying a policy to a model, FSDP1's ``auto_wrap_policy`` (upstream's
+  ``_wrap_utils.py``);
+* ``_wrap_plan``: :func:`build_wrap_plan`, what a policy would wrap, without touching the model.
+
+This part imports neither FSDP implementation; it recognises their modules by class lookup only.
+"""
+
+# ruff: noqa: F401 (this module re-exports the names of its three modules)
+
+from reference.wrap._policies import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    _ConfigAutoWrap,
+    _module_wrap_policy,
+    _or_policy,
+    _Policy,
+    _recursive_wrap,
+    _wrap,
+    _wrap_module_cls_individually,
+    always_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+from reference.wrap._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
+from reference.wrap._wrap_utils import (
+    _construct_wrap_fn,
+    _post_order_apply,
+    _run_mixed_precision_override_policy,
+)
+
+__all__ = [
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
