@@ -1,0 +1,291 @@
+"""Area "state_dict", FSDP1 depth: device meshes, modules FSDP does not manage, offload, load errors.
+
+Rules (the kinds themselves are in ``state_dict.py``'s Note):
+* S6 mesh: an FSDP1 model built with ``device_mesh`` saves SHARDED parameters as ``DTensor`` s
+  placed ``(Shard(0),)`` on that mesh, holding the same rows a ShardedTensor would, and loads them
+  back; LOCAL with a mesh is refused on save and on load with upstream's RuntimeError.
+* S3/S18 unmanaged entries: ``rank0_only`` empties only what FSDP manages on ranks other than 0
+  (its parameters and buffers); entries of modules outside every FSDP unit - a non-FSDP root's
+  own layers, a module attached to the wrapped module after wrapping ("skip module") - stay on
+  every rank as plain tensors with their values.
+* S5/S7 offload: ``offload_to_cpu`` changes where SHARDED / LOCAL values live, never what they
+  hold (same types, shard metadata and values as without it).
+* load errors: a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, a SHARDED dict
+  with a mis-shaped parameter or (strict) a missing one, is refused on every rank with a message
+  that names what is wrong (upstream's words or the implementation's own, both accepted: the
+  patterns below are what either says).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.adapters.base import NotSupported
+from conformance.checks._sd_models import (
+    AREA,
+    NET_PLAN,
+    Net,
+    assert_clean_keys,
+    assert_entry,
+    assert_loaded,
+    broadcast_from_rank0,
+    build,
+    first_error_everywhere,
+    plain_reference,
+    require_kind,
+)
+from conformance.registry import check
+
+MESH_LOCAL_MESSAGE = (
+    "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
+    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict.")
+
+
+def _raises_everywhere(ctx, fn) -> Exception | None:
+    """Run ``fn`` on every rank; return its exception (None if it returned)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned to the caller
+        return exc
+    return None
+
+
+def _all_ranks(ctx, flag: bool) -> list[bool]:
+    flags = [flag] * ctx.world_size
+    if ctx.world_size > 1:
+        torch.distributed.all_gather_object(flags, flag)
+    return flags
+
+
+# ----------------------------------------------------------------------------- device mesh
+@check(area=AREA, requires={base.SHARDED_STATE_DICT, base.FLAT_PARAM}, min_world_size=2)
+def mesh_sharded_dtensor(ctx):
+    """S6: with ``device_mesh`` the SHARDED dict holds each parameter as a DTensor ``(Shard(0),)``
+    on that mesh whose local rows are [r*ceil(d0/ws), ...) (none past the last chunk); buffers stay
+    plain; the dict loads into a fresh mesh model."""
+    from torch.distributed.tensor import DTensor
+
+    model = build(ctx, mesh=ctx.mesh)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "sharded"))
+    expected = plain_reference(Net, 0)
+    assert_clean_keys(ctx, sd)
+    assert set(sd) == set(expected), f"{ctx.where()} keys {sorted(sd)} != {sorted(expected)}"
+    params = {n for n, _ in Net().named_parameters()}
+    for name, exp in expected.items():
+        if name in params:
+            assert isinstance(sd[name], DTensor), (
+                f"{ctx.where()} {name}: {type(sd[name]).__name__}, expected a DTensor (FSDP built "
+                "with device_mesh)")
+            assert sd[name].device_mesh == ctx.mesh, f"{ctx.where()} {name}: DTensor on another mesh"
+        assert_entry(ctx, name, sd[name], exp, full=name not in params)
+    dst = build(ctx, salt=1, mesh=ctx.mesh)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "sharded"))
+    assert_loaded(ctx, dst, expected, "after loading a DTensor SHARDED dict")
+
+
+@check(area=AREA, requires={base.LOCAL_STATE_DICT, base.FLAT_PARAM}, min_world_size=2)
+def mesh_local_rejected(ctx):
+    """S6: LOCAL_STATE_DICT on an FSDP model built with ``device_mesh`` raises RuntimeError("Found
+    state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible ...") on save and on load, on
+    every rank."""
+    model = build(ctx, mesh=ctx.mesh)
+    local_sd = ctx.impl.state_dict(build(ctx), "local")
+    for what, fn in (("save", lambda: ctx.impl.state_dict(model, "local")),
+                     ("load", lambda: ctx.impl.load_state_dict(model, local_sd, "local"))):
+        exc = _raises_everywhere(ctx, fn)
+        flags = _all_ranks(ctx, exc is not None)
+        assert all(flags), f"{ctx.where()} LOCAL {what} with a device_mesh raised on ranks {flags}, expected all"
+        assert isinstance(exc, RuntimeError) and str(exc) == MESH_LOCAL_MESSAGE, (
+            f"{ctx.where()} LOCAL {what} with a device_mesh: {type(exc).__name__}({str(exc)!r}), "
+            f"expected RuntimeError({MESH_LOCAL_MESSAGE!r})")
+
+
+# ------------------------------------------------------------------ entries FSDP does not manage
+class NonFsdpRoot(nn.Module):
+    """A plain root: ``plain`` Linear(2, 3) (never sharded) next to ``fsdp``, a sharded ``Net``."""
+
+    def __init__(self, ctx, salt: int = 0):
+        super().__init__()
+        self.plain = nn.Linear(2, 3).to(ctx.device)
+        with torch.no_grad():
+            self.plain.weight.copy_(torch.arange(6.0).reshape(3, 2) / 10 + salt)
+            self.plain.bias.copy_(torch.arange(3.0) / 10 - salt)
+        self.fsdp = build(ctx, salt=salt)
+
+    @staticmethod
+    def expected(salt: int = 0) -> dict:
+        out = {f"fsdp.{k}": v for k, v in plain_reference(Net, salt).items()}
+        out["plain.weight"] = torch.arange(6.0).reshape(3, 2) / 10 + salt
+        out["plain.bias"] = torch.arange(3.0) / 10 - salt
+        return out
+
+
+def build_with_skip(ctx, salt: int = 0):
+    """``Net`` sharded with ``outer`` detached during wrapping and attached again afterwards: a
+    module inside the wrapped module that no FSDP unit manages (upstream's SkipModel)."""
+    raw = Net(salt).to(ctx.device)
+    skipped = raw.outer
+    del raw.outer
+    model = ctx.impl.shard(raw, ctx, plan=NET_PLAN)
+    raw.outer = skipped
+    return model, raw
+
+
+def _assert_unmanaged_dict(ctx, sd, expected, unmanaged, rank0_only, kind="full", sharded=()):
+    """Rank 0 (every rank without rank0_only) has ``expected``; other ranks under rank0_only have
+    exactly the ``unmanaged`` entries; unmanaged entries are plain tensors with their values, the
+    ``sharded`` ones this rank's chunk."""
+    want = set(expected) if ctx.rank == 0 or not rank0_only else set(unmanaged)
+    assert_clean_keys(ctx, sd)
+    assert set(sd) == want, (
+        f"{ctx.where()} {kind}{' rank0_only' if rank0_only else ''} keys: extra "
+        f"{sorted(set(sd) - want)}, missing {sorted(want - set(sd))} (entries outside every FSDP "
+        "unit stay on every rank)")
+    for name in sorted(want):
+        assert_entry(ctx, name, sd[name], expected[name], full=name not in sharded)
+
+
+@check(area=AREA, requires={base.FULL_STATE_DICT, base.FSDP1_API}, min_world_size=2)
+def non_fsdp_root_rank0_only(ctx):
+    """S3: a plain (non-FSDP) root holding a plain Linear and an FSDP model: with ``rank0_only``
+    rank 0 gets every entry, the other ranks only the plain Linear's (plain tensors, right
+    values)."""
+    root = NonFsdpRoot(ctx)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(root, "full", rank0_only=True))
+    _assert_unmanaged_dict(ctx, sd, NonFsdpRoot.expected(), {"plain.weight", "plain.bias"}, True)
+
+
+SKIP_CASES = {
+    "full": {"kind": "full", "config": {}},
+    "full-rank0_only": {"kind": "full", "config": {"rank0_only": True}},
+    "sharded": {"kind": "sharded", "config": {}},
+}
+
+
+@check(area=AREA, requires={base.FSDP1_API}, cases=SKIP_CASES, min_world_size=2)
+def skip_module(ctx, kind, config):
+    """S18/S3: a module attached to the wrapped module after wrapping (managed by no unit) is saved
+    under its clean names as plain tensors, on every rank even with rank0_only, next to the
+    managed entries of the kind; the dict loads into a model built the same way (the skipped
+    module's values too)."""
+    require_kind(ctx, kind)
+    model, _ = build_with_skip(ctx)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
+    expected = plain_reference(Net, 0)
+    rank0_only = bool(config.get("rank0_only"))
+    unmanaged = {"outer.weight", "outer.bias"}
+    sharded = {n for n, _ in Net().named_parameters()} - unmanaged if kind == "sharded" else ()
+    _assert_unmanaged_dict(ctx, sd, expected, unmanaged, rank0_only, kind, sharded)
+    if rank0_only:
+        sd = broadcast_from_rank0(ctx, sd)
+    dst, raw = build_with_skip(ctx, salt=1)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
+    managed = {k: v for k, v in expected.items() if not k.startswith("outer.")}
+    assert_loaded(ctx, dst, managed, f"after loading a {kind} dict")
+    for name in ("weight", "bias"):
+        got = getattr(raw.outer, name).detach().cpu()
+        assert torch.equal(got, expected[f"outer.{name}"]), (
+            f"{ctx.where()} skipped module outer.{name} after load {got.reshape(-1)[:4].tolist()}, "
+            f"expected {expected[f'outer.{name}'].reshape(-1)[:4].tolist()}")
+
+
+# --------------------------------------------------------------------------------- offload
+def _local_tensors(value) -> list[torch.Tensor]:
+    if hasattr(value, "local_shards"):
+        return [s.tensor for s in value.local_shards()]
+    if hasattr(value, "to_local"):
+        return [value.to_local()]
+    return [value]
+
+
+def _metadata(value):
+    if hasattr(value, "local_shards"):
+        return ("ShardedTensor", tuple(value.metadata().size),
+                [tuple(s.metadata.shard_offsets) for s in value.local_shards()])
+    return (type(value).__name__, tuple(value.shape), [])
+
+
+OFFLOAD_CASES = {k: {"kind": k} for k in ("sharded", "local")}
+
+
+@check(area=AREA, requires={base.FLAT_PARAM}, cases=OFFLOAD_CASES, min_world_size=2)
+def offload_to_cpu_values(ctx, kind):
+    """S5/S7: with ``offload_to_cpu=True`` the SHARDED / LOCAL dict has the same keys, types, shard
+    sizes and offsets, and values as without it."""
+    require_kind(ctx, kind)
+    model = build(ctx)
+    plain = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
+    off = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, offload_to_cpu=True))
+    assert set(off) == set(plain), f"{ctx.where()} offload keys {sorted(off)} != {sorted(plain)}"
+    for name in sorted(plain):
+        assert _metadata(off[name]) == _metadata(plain[name]), (
+            f"{ctx.where()} {name}: with offload {_metadata(off[name])}, without {_metadata(plain[name])}")
+        for a, b in zip(_local_tensors(off[name]), _local_tensors(plain[name])):
+            assert torch.equal(a.cpu(), b.cpu()), f"{ctx.where()} {name}: offloaded values differ"
+
+
+@check(area=AREA, requires={base.FLAT_PARAM}, cases=OFFLOAD_CASES, min_world_size=2)
+def offload_to_cpu_device(ctx, kind):
+    """S5/S7: with ``offload_to_cpu=True`` every local shard of a SHARDED / LOCAL dict is on the
+    CPU (needs an accelerator: on a CPU run every tensor is on the CPU anyway)."""
+    require_kind(ctx, kind)
+    if ctx.device.type == "cpu":
+        raise NotSupported("an accelerator: on CPU, offloaded and resident tensors are both on the CPU")
+    sd = first_error_everywhere(
+        ctx, lambda: ctx.impl.state_dict(build(ctx), kind, offload_to_cpu=True))
+    for name, value in sd.items():
+        if not hasattr(value, "local_shards"):
+            continue  # buffers are not offloaded
+        for t in _local_tensors(value):
+            assert t.device.type == "cpu", f"{ctx.where()} {name}: offloaded shard on {t.device}"
+
+
+# ------------------------------------------------------------------------------ load errors
+def _drop_flat_param(ctx, sd):
+    sd.pop("inner._flat_param")
+
+
+def _plain_flat_params(ctx, sd):
+    for key, value in list(sd.items()):
+        if hasattr(value, "local_shards"):
+            sd[key] = torch.zeros(value.size(), device=ctx.device)
+
+
+def _wrong_shape(ctx, sd):
+    sd["outer.weight"] = sd["inner.weight"]  # a (4, 4) ShardedTensor where (5, 4) belongs
+
+
+def _drop_param(ctx, sd):
+    sd.pop("inner.bias")
+
+
+# case -> (kind, corruption, patterns every message must match, case-insensitive)
+LOAD_ERRORS = {
+    "local-no-flat-param": ("local", _drop_flat_param, [r"flat_?param"]),
+    "local-plain-tensors": ("local", _plain_flat_params, [r"ShardedTensor"]),
+    "sharded-wrong-shape": ("sharded", _wrong_shape, [r"outer\.weight", r"5, 4", r"4, 4"]),
+    "sharded-missing-key": ("sharded", _drop_param, [r"missing", r"inner\.bias"]),
+}
+
+
+@check(area=AREA, requires={base.FLAT_PARAM}, cases={k: {"case": k} for k in LOAD_ERRORS},
+       min_world_size=2)
+def load_errors(ctx, case):
+    """S5/S7: loading a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, or a
+    SHARDED dict with a mis-shaped or (strict) missing parameter raises on every rank, with a
+    message naming the problem (the FlatParameter / ShardedTensor / the key and both shapes)."""
+    kind, corrupt, patterns = LOAD_ERRORS[case]
+    require_kind(ctx, kind)
+    sd = dict(ctx.impl.state_dict(build(ctx), kind))
+    corrupt(ctx, sd)
+    exc = _raises_everywhere(ctx, lambda: ctx.impl.load_state_dict(build(ctx, salt=1), sd, kind))
+    flags = _all_ranks(ctx, exc is not None)
+    assert all(flags), f"{ctx.where()} {case}: the load raised on ranks {flags}, expected all"
+    missing = [p for p in patterns if not re.search(p, str(exc), re.IGNORECASE)]
+    assert not missing, (
+        f"{ctx.where()} {case}: message {type(exc).__name__}({str(exc)!r}) does not say "
+        f"{missing} (it should name what is wrong)")
