@@ -1,13 +1,22 @@
 """``python -m conformance [options] [pytest args]``: the conformance suite without nox.
 
 Equivalent to ``python -m pytest -p conformance.plugin conformance/checks [--check-dir dirs] [args]``;
-``python -m conformance --help`` lists the options (group "fsdp conformance").
+``python -m conformance --help`` lists the options (group "fsdp conformance"). Its exit codes are
+described in the README ("Exit codes and signals") and in ``conformance.plugin.exit_status``.
+
+``python -m conformance <subcommand> [args]`` runs one of :data:`SUBCOMMANDS` instead.
 """
 
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
+
+# name -> "module:function"; the function takes the remaining arguments and returns an exit code
+SUBCOMMANDS: dict[str, str] = {
+    "selftest": "conformance.selftest.run:main",  # seeded faults and the mutation score
+}
 
 
 def _check_dirs(argv: list[str]) -> list[str]:
@@ -20,8 +29,9 @@ def _check_dirs(argv: list[str]) -> list[str]:
     return dirs
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run_suite(argv: list[str]) -> int:
+    from conformance import plugin
+
     # an explicit target: a node id or an existing check file (option values such as
     # "--reports-dir DIR" are never mistaken for one)
     explicit = [a for a in argv if "::" in a or (a.endswith(".py") and Path(a).is_file())]
@@ -29,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     # "-rfE": pytest's short summary lists only failures and errors, so that the matrix stays at
     # the end of the output; skips and expected failures are in the matrix and the reports (a
     # "-r" of the user's own, later on the line, wins).
-    return int(pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv]))
+    return plugin.exit_status(pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        module, _, function = SUBCOMMANDS[argv[0]].partition(":")
+        return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
+    return run_suite(argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 
@@ -38,8 +39,11 @@ def execute(
             backend=backend,
             impl=_implementation(task.impl),
             params=dict(task.kwargs),
+            deadline=time.monotonic() + task.timeout,
         )
-        value = fn(ctx, **task.kwargs)
+        patched = getattr(ctx.impl, "patched", contextlib.nullcontext)  # seeded faults (selftest)
+        with patched():
+            value = fn(ctx, **task.kwargs)
         status, detail = OK, ""
     except NotSupported as exc:
         value, status, detail = None, NOT_SUPPORTED, str(exc)
