@@ -92,7 +92,14 @@ class _UnshardForCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_padded: torch.Tensor):
-        return ctx.handle._reduce_grad(grad_padded), None
+        handle = ctx.handle
+        if handle._sync_gradients:
+            return handle._reduce_grad(handle._add_unsynced_grad(grad_padded)), None
+        # Inside no_sync(): keep the unsharded gradient for the next synced backward; nothing
+        # reaches the flat parameter, so its post-accumulate hook will not reshard: do it here.
+        handle._add_unsynced_grad(grad_padded, keep=True)
+        handle._post_backward()
+        return None, None
 
 
 class FlatParamHandle:
@@ -131,6 +138,10 @@ class FlatParamHandle:
         # A param dtype without a reduce dtype reduces in the param dtype (upstream's rule).
         self._reduce_dtype = reduce_dtype or self._compute_dtype
         self._keep_low_precision_grads = keep_low_precision_grads
+        # no_sync(): False skips the reduction; backwards accumulate in _unsynced_grad (padded,
+        # unsharded, compute dtype) until the next synced backward reduces the sum.
+        self._sync_gradients = True
+        self._unsynced_grad: torch.Tensor | None = None
         self._init_flat_param(params, fully_sharded_module)
 
     # -- construction -----------------------------------------------------------------------------
@@ -229,6 +240,13 @@ class FlatParamHandle:
             dist.all_reduce(out, group=self.process_group)
         out.div_(self.world_size)
         return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
+
+    def _add_unsynced_grad(self, grad_padded: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """``grad_padded`` plus the gradient accumulated under no_sync(); kept for later with
+        ``keep``, else handed over (and forgotten) for reduction."""
+        total = grad_padded if self._unsynced_grad is None else self._unsynced_grad + grad_padded
+        self._unsynced_grad = total if keep else None
+        return total
 
     def unshard_for_compute(self) -> torch.Tensor:
         """Padded unsharded flat tensor in the compute dtype, differentiable w.r.t. the shard."""

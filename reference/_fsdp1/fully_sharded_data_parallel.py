@@ -11,7 +11,7 @@
   ``_fsdp_wrapped_module.0._fsdp_wrapped_module._flat_param`` (lin1).
 
   *Root*: an FSDP module with no FSDP ancestor. Wrapping marks every FSDP module inside as
-  non-root. The root lazily initialises the tree on first use (see ``_fsdp1_runtime``).
+  non-root. The root lazily initialises the tree on first use (see ``_runtime_utils``).
 
   *Owned buffers*: buffers of the wrapped module outside nested FSDP modules and ignored modules;
   buffer mixed precision applies to them and state dicts restore their original dtype.
@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
-from reference._fsdp1._init_utils import (
+from reference._fsdp1._common_utils import (
     FSDP_WRAPPED_MODULE,
-    _clamp_strategy,
-    _clean,
-    _compute_device,
-    _managed_tensors,
+    _fsdp_modules,
+    _FSDPState,
+    clean_tensor_name,
 )
+from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
+from reference._fsdp1._init_utils import _clamp_strategy, _compute_device, _managed_tensors
 from reference._fsdp1._runtime_utils import TrainingState, _forward, _unshard_params
 from reference._fsdp1._state_dict_utils import _register_all_state_dict_hooks
 from reference.api import (
@@ -73,7 +73,7 @@ _CONFIG_TYPES = {
 }
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(_FSDPState):
     """Shard ``module`` 's managed parameters over ``process_group`` as one flat parameter.
 
     Attributes::
@@ -161,7 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, p in module.named_parameters():
             if p.dim() == 0 and p not in self._ignored_params:
                 raise ValueError(
-                    f"FSDP cannot flatten the scalar (0-dim) parameter {_clean(name)}; "
+                    f"FSDP cannot flatten the scalar (0-dim) parameter {clean_tensor_name(name)}; "
                     "give it shape (1,) or put its module in ignored_modules"
                 )
 
@@ -209,7 +209,7 @@ class FullyShardedDataParallel(nn.Module):
             fqn: owner._buffers[name].dtype for fqn, owner, name in self._owned_buffers
         }
         self._ignored_buffer_names = {
-            _clean(f"{mod_name}.{b}" if mod_name else b)
+            clean_tensor_name(f"{mod_name}.{b}" if mod_name else b)
             for mod_name, m in module.named_modules()
             if m in self._ignored_modules
             for b, _ in m.named_buffers(recurse=False)
@@ -287,8 +287,30 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every FSDP module in ``module`` 's tree (``modules()`` order), or only the roots."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        found = _fsdp_modules(module)
         return [m for m in found if m._is_root] if root_only else found
+
+    # -- gradient accumulation --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside skip the gradient reduction: each flat parameter accumulates its
+        unsharded gradient locally, and the first backward after the context reduces the sum.
+        Only on a root (it covers every FSDP module of the tree)."""
+        if not self._is_root:
+            raise RuntimeError(
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
+                "on root FSDP module."
+            )
+        handles = [m._handle for m in _fsdp_modules(self) if m._handle is not None]
+        before = [h._sync_gradients for h in handles]
+        for h in handles:
+            h._sync_gradients = False
+        try:
+            yield
+        finally:
+            for h, flag in zip(handles, before):
+                h._sync_gradients = flag
 
     # -- unshard ----------------------------------------------------------------------------------
 
