@@ -18,8 +18,6 @@ check sees both gathered inputs; expected values are the original tensor and its
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +25,7 @@ from torch import nn
 from conformance.adapters import base
 from conformance.checks import _subclasses
 from conformance.checks._models import distinct_values
+from conformance.checks._rows import chunk_range
 from conformance.checks._subclasses import Pair1, Pair5, Single5
 from conformance.registry import check
 
@@ -90,8 +89,7 @@ def all_gather_through_hooks(ctx, name):
         mesh = entry["mesh"]
         assert mesh.ndim == 1 and mesh.size() == ctx.world_size, (
             f"{ctx.where()} {name}: pre hook got mesh {mesh}, expected the 1-D shard mesh of {ctx.world_size}")
-        chunk = math.ceil(rows / ctx.world_size)
-        start, end = min(ctx.rank * chunk, rows), min((ctx.rank + 1) * chunk, rows)
+        start, end = chunk_range(rows, ctx.world_size, ctx.rank)
         assert entry["local_shape"] == (end - start, 3), (
             f"{ctx.where()} {name}: pre hook ran on a local shard of shape {entry['local_shape']}, "
             f"expected {(end - start, 3)}")

@@ -20,19 +20,15 @@ import torch
 
 from conformance.adapters import base
 from conformance.checks._models import ParamBag
+from conformance.checks._rows import chunk_range, chunk_size
 from conformance.registry import check
 
-
-def dim0_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows [start, end) of a dim0-long parameter that ``rank`` holds under torch.chunk semantics."""
-    chunk = math.ceil(dim0 / world_size) if dim0 else 0
-    return min(rank * chunk, dim0), min((rank + 1) * chunk, dim0)
+dim0_rows = chunk_range  # rows [start, end) of a dim0-long parameter that a rank holds
 
 
 def flat_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
     """(start, end, chunk) of the flat elements ``rank`` holds."""
-    chunk = math.ceil(numel / world_size) if numel else 0
-    return min(rank * chunk, numel), min((rank + 1) * chunk, numel), chunk
+    return (*chunk_range(numel, world_size, rank), chunk_size(numel, world_size))
 
 
 # dim-0 relations to the world size; each becomes a case for 1-D, 2-D and 3-D parameters
@@ -69,7 +65,8 @@ def _shapes(ctx, rel=None, trailing=(), shape=None, shapes=None) -> list[tuple[i
 
 @check(area="layout", requires={base.PER_PARAM_DIM0}, cases=SHAPE_CASES)
 def per_param_dim0_local_shard(ctx, **case):
-    """Each rank's local shard holds exactly rows [r*ceil(d0/ws), ...) of the original parameter."""
+    """Each rank's local shard holds exactly rows [r*ceil(d0/ws), ...) of the original parameter, and
+    its view's offset is its first row (P1)."""
     shapes = _shapes(ctx, **case)
     model = ParamBag(shapes)
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -92,6 +89,11 @@ def per_param_dim0_local_shard(ctx, **case):
         assert views[fqn].global_shape == tuple(orig.shape), (
             f"{ctx.where()} {fqn}: global shape {views[fqn].global_shape}, expected {tuple(orig.shape)}"
         )
+        if end > start:  # an empty shard has no first row, so no offset to check
+            assert views[fqn].offset == start, (
+                f"{ctx.where()} {fqn} {tuple(orig.shape)}: offset {views[fqn].offset}, expected "
+                f"{start} (the first row this rank holds)"
+            )
 
 
 @check(area="layout", requires={base.PER_PARAM_DIM0, base.PADDED_STORAGE}, cases=SHAPE_CASES)
@@ -105,7 +107,7 @@ def per_param_dim0_padded_storage(ctx, **case):
         padded = views[fqn].padded
         assert padded is not None, f"{ctx.where()} {fqn}: implementation exposes no padded storage"
         dim0 = orig.shape[0]
-        chunk = math.ceil(dim0 / ctx.world_size) if dim0 else 0
+        chunk = chunk_size(dim0, ctx.world_size)
         row = math.prod(orig.shape[1:])
         start, end = dim0_rows(dim0, ctx.world_size, ctx.rank)
         assert padded.dim() == 1 and padded.numel() == chunk * row, (

@@ -18,7 +18,6 @@ Expected values come from an unsharded copy trained on the same inputs.
 from __future__ import annotations
 
 import copy
-import math
 import re
 
 import torch
@@ -26,14 +25,8 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._models import ParamBag, distinct_values
+from conformance.checks._rows import chunk_of
 from conformance.registry import check
-
-
-def chunk_of(full: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    d = full.shape[dim]
-    size = math.ceil(d / parts) if d else 0
-    start, end = min(index * size, d), min((index + 1) * size, d)
-    return full.narrow(dim, start, end - start)
 
 
 class Lin(nn.Module):

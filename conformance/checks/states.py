@@ -20,14 +20,13 @@ place where it is registered, whatever the state afterwards).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._models import distinct_values
+from conformance.checks._rows import chunk_range
 from conformance.registry import check
 
 
@@ -83,11 +82,6 @@ def own_params(model, unit: str):
     return [(prefix + name, name, module) for name, _ in module.named_parameters(recurse=False)]
 
 
-def rows(dim0: int, parts: int, index: int) -> tuple[int, int]:
-    chunk = math.ceil(dim0 / parts) if dim0 else 0
-    return min(index * chunk, dim0), min((index + 1) * chunk, dim0)
-
-
 def assert_sharded(ctx, fqn, param, orig, where=""):
     """SHARDED: a DTensor Parameter, (Shard(0),) on the 1-D mesh, local rows of torch.chunk."""
     from torch.distributed.tensor import DTensor, Shard
@@ -99,7 +93,7 @@ def assert_sharded(ctx, fqn, param, orig, where=""):
     assert param.device_mesh.ndim == 1 and param.device_mesh.size() == ctx.world_size, (
         f"{tag}: mesh {param.device_mesh}, expected the 1-D mesh of {ctx.world_size} ranks")
     assert tuple(param.shape) == tuple(orig.shape), f"{tag}: global size {tuple(param.shape)}"
-    start, end = rows(orig.shape[0], ctx.world_size, ctx.rank)
+    start, end = chunk_range(orig.shape[0], ctx.world_size, ctx.rank)
     local = param.to_local().detach().cpu()
     assert torch.equal(local, orig[start:end]), (
         f"{tag}: local shard {tuple(local.shape)} is not rows {start}:{end} of the original")
@@ -130,7 +124,7 @@ def assert_post_forward(ctx, fqn, param, orig, k):
     mesh = param.device_mesh.mesh.tolist()
     expected = torch.arange(ctx.world_size).view(-1, k).tolist()
     assert mesh == expected, f"{tag}: post-forward mesh {mesh}, expected {expected}"
-    start, end = rows(orig.shape[0], k, ctx.rank % k)
+    start, end = chunk_range(orig.shape[0], k, ctx.rank % k)
     local = param.to_local().detach().cpu()
     assert torch.equal(local, orig[start:end]), (
         f"{tag}: local {tuple(local.shape)} is not rows {start}:{end} (chunk {ctx.rank % k} of {k})")
@@ -343,7 +337,7 @@ def assert_hsdp_sharded(ctx, fqn, param, orig, where):
     tag = f"{ctx.where()} {fqn} {where}"
     assert isinstance(param, DTensor), f"{tag}: expected SHARDED (a DTensor), got a plain tensor"
     assert tuple(param.placements) == (Replicate(), Shard(0)), f"{tag}: placements {param.placements}"
-    start, end = rows(orig.shape[0], 2, ctx.rank % 2)
+    start, end = chunk_range(orig.shape[0], 2, ctx.rank % 2)
     assert torch.equal(param.to_local().detach().cpu(), orig[start:end]), (
         f"{tag}: local shard is not rows {start}:{end} (chunk {ctx.rank % 2} of 2)")
 

@@ -19,13 +19,13 @@ within ``rtol=2e-2``; a missing or doubled gradient average is a 100% error, far
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._rows import chunk_of as local_chunk  # noqa: F401 (re-exported)
 from conformance.registry import check
 
 B = 2  # samples per rank per step
@@ -108,14 +108,6 @@ def make_optimizer(name: str, params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def local_chunk(full: torch.Tensor, dim: int, ws: int, rank: int) -> torch.Tensor:
-    """Rank's piece of ``full`` under Shard(dim): ceil(d/ws) entries per rank, possibly none."""
-    d = full.shape[dim]
-    chunk = math.ceil(d / ws) if d else 0
-    start, end = min(rank * chunk, d), min((rank + 1) * chunk, d)
-    return full.narrow(dim, start, end - start)
-
-
 def shard_dim(param) -> int:
     from torch.distributed.tensor import Shard
 
@@ -136,11 +128,13 @@ def assert_close(ctx, what, actual, expected, tol):
 
 
 def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, options=None,
-               accumulate=1, mp_tolerance=False, after_shard=None):
+               accumulate=1, mp_tolerance=False, after_shard=None, shards=None):
     """Train the sharded model and the oracle side by side and compare (see the module Note).
 
     ``accumulate``: micro-batches per optimizer step; all but the last run with gradient sync off
-    (``set_requires_gradient_sync(False)``). ``mp_tolerance``: compare updates, not values."""
+    (``set_requires_gradient_sync(False)``). ``mp_tolerance``: compare updates, not values.
+    ``shards``: (shard-group size, this rank's index in it) when the mesh is 2-D (HSDP); default
+    (ws, rank)."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
@@ -152,6 +146,7 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
     opt = make_optimizer(optim, model.parameters())
     oopt = make_optimizer(optim, oracle.parameters())
     ws, rank = ctx.world_size, ctx.rank
+    parts, index = shards or (ws, rank)
     mine = slice(rank * B, (rank + 1) * B)
     for step in range(steps):
         if mp_tolerance:
@@ -177,7 +172,8 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
                 grad = param.grad
                 assert isinstance(grad, DTensor), (
                     f"{ctx.where()} {name}: sharded grad is {type(grad).__name__}, expected a DTensor")
-                expected = local_chunk(oracle.get_parameter(name).grad, shard_dim(param), ws, rank)
+                expected = local_chunk(oracle.get_parameter(name).grad, shard_dim(param), parts,
+                                       index)
                 assert_close(ctx, f"step {step} {name} sharded grad (vs the oracle's mean-gradient chunk)",
                              grad.to_local(), expected, FP32["grad"])
         opt.step()
@@ -213,6 +209,50 @@ def train_parity(ctx, model_name, plan, optim):
     """Losses, sharded gradients (the oracle's mean-gradient chunk) and parameters after a few steps
     equal those of the same model trained in one process on the same global batch."""
     run_parity(ctx, model_name, plan, optim)
+
+
+RAF_PARITY = {
+    "false-nested-sgd": {"raf": False, "model_name": "mlp", "plan": "nested", "optim": "sgd"},
+    "false-root-adam": {"raf": False, "model_name": "tiny", "plan": "root", "optim": "adam"},
+}
+RAF_INT_PARITY = {  # k = ws/2: backward re-all-gathers from SHARDED_POST_FORWARD over k ranks
+    "int-half-nested-sgd": {"raf": "half", "model_name": "mlp", "plan": "nested", "optim": "sgd"},
+    "int-half-nested-adam": {"raf": "half", "model_name": "tiny", "plan": "nested", "optim": "adam"},
+}
+
+
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
+       cases=RAF_PARITY)
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
+       cases=RAF_INT_PARITY, world_sizes=(4,))
+def train_parity_reshard_after_forward(ctx, raf, model_name, plan, optim):
+    """With ``reshard_after_forward`` False (parameters stay unsharded until backward) or an int
+    ``k = ws/2`` (backward re-all-gathers from the SHARDED_POST_FORWARD shards over groups of k),
+    losses, sharded gradients and parameters after 3 steps equal the single-process oracle's (P2, P7,
+    P6); uneven and sub-world-size dims included."""
+    raf = ctx.world_size // 2 if raf == "half" else raf
+    run_parity(ctx, model_name, plan, optim, options={"reshard_after_forward": raf})
+
+
+HSDP_PARITY = {  # mesh shape (replicate, shard) per world size
+    4: {"2x2-nested-sgd": {"shape": (2, 2), "plan": "nested", "optim": "sgd"},
+        "2x2-root-adam": {"shape": (2, 2), "plan": "root", "optim": "adam"}},
+    2: {"1x2-nested-sgd": {"shape": (1, 2), "plan": "nested", "optim": "sgd"},
+        "2x1-nested-adam": {"shape": (2, 1), "plan": "nested", "optim": "adam"}},
+}
+
+
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
+       cases=HSDP_PARITY[4], world_sizes=(4,))
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
+       cases=HSDP_PARITY[2], world_sizes=(2,))
+def train_parity_hsdp(ctx, shape, plan, optim):
+    """On a (replicate, shard) mesh, each rank's sharded gradient is chunk ``rank % shard`` of the
+    oracle's gradient averaged over *all* ranks' batches, and losses and parameters after 3 steps
+    equal the oracle's (P16, P6)."""
+    mesh = ctx.make_mesh(shape, ("replicate", "shard"))
+    run_parity(ctx, "mlp", plan, optim, options={"mesh": mesh},
+               shards=(shape[1], ctx.rank % shape[1]))
 
 
 @check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
