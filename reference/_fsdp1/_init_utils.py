@@ -12,21 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from reference._fsdp1._common_utils import _FSDPState, clean_tensor_name
 from reference._fsdp1._flat_param import FlatParameter
 from reference.api import ShardingStrategy
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    return isinstance(module, FullyShardedDataParallel)
-
-
-def _clean(name: str) -> str:
-    """A tensor name without wrapper prefixes (FSDP's and activation checkpointing's)."""
-    return name.replace(f"{FSDP_WRAPPED_MODULE}.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def _clamp_strategy(strategy: ShardingStrategy | None, world_size: int) -> ShardingStrategy:
@@ -63,7 +51,7 @@ def _managed_tensors(
     buffers: list[tuple[str, nn.Module, str]] = []
 
     def visit(mod: nn.Module, prefix: str) -> None:
-        if mod in ignored or _is_fsdp(mod):
+        if mod in ignored or isinstance(mod, _FSDPState):
             return
         for p in mod._parameters.values():
             if p is not None and id(p) not in seen and not isinstance(p, FlatParameter):
@@ -71,7 +59,7 @@ def _managed_tensors(
                 params.append(p)
         for name, b in mod._buffers.items():
             if b is not None:
-                buffers.append((_clean(prefix + name), mod, name))
+                buffers.append((clean_tensor_name(prefix + name), mod, name))
         for child_name, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{child_name}.")

@@ -19,43 +19,32 @@ end, after earlier entries were written; this check is the reference's addition.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from reference._fsdp1._common_utils import _FSDPState, clean_tensor_name
 from reference._fsdp1._flat_param import FlatParameter
 from reference.api import ShardingStrategy, StateDictType
 
-if TYPE_CHECKING:
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
-_FSDP_PREFIX = "_fsdp_wrapped_module."
-_CKPT_PREFIX = "_checkpoint_wrapped_module."
-
-
-def _clean(name: str) -> str:
-    return name.replace(_FSDP_PREFIX, "").replace(_CKPT_PREFIX, "")
-
-
-def _effective_type(fsdp: FullyShardedDataParallel) -> StateDictType:
+def _effective_type(fsdp: _FSDPState) -> StateDictType:
     if fsdp.sharding_strategy == ShardingStrategy.NO_SHARD:
         return StateDictType.FULL_STATE_DICT
     return fsdp._state_dict_type
 
 
-def _expected_entries(root: FullyShardedDataParallel, prefix: str) -> dict[str, tuple]:
+def _expected_entries(root: _FSDPState, prefix: str) -> dict[str, tuple]:
     """Key -> ``(kind, shape, fsdp)`` for every tensor the tree expects; ``kind`` is "param"
     (FSDP-managed original parameter), "flat" (LOCAL flat parameter) or "plain" (buffer or
     parameter of an ignored module)."""
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     expected: dict[str, tuple] = {}
     managed_ids: set[int] = set()
     for mod_name, fsdp in root.named_modules():
-        if not isinstance(fsdp, FSDP):
+        if not isinstance(fsdp, _FSDPState):
             continue
-        base = prefix + (_clean(mod_name + ".") if mod_name else "")
+        base = prefix + (clean_tensor_name(mod_name + ".") if mod_name else "")
         handle = fsdp._handle
         for fqn, owner, name in fsdp._owned_buffers:
             if name not in owner._non_persistent_buffers_set:
@@ -77,11 +66,11 @@ def _expected_entries(root: FullyShardedDataParallel, prefix: str) -> dict[str, 
             )
             continue
         for _, module_name, name, index in handle._all_names():
-            fqn = _clean(f"{module_name}.{name}" if module_name else name)
+            fqn = clean_tensor_name(f"{module_name}.{name}" if module_name else name)
             expected[base + fqn] = ("param", tuple(fp._shapes[index]), fsdp)
     # Every other parameter (ignored ones) and every persistent buffer is loaded as it is.
     for mod_name, mod in root.named_modules(remove_duplicate=False):
-        base = prefix + (_clean(mod_name + ".") if mod_name else "")
+        base = prefix + (clean_tensor_name(mod_name + ".") if mod_name else "")
         for name, p in mod._parameters.items():
             if p is not None and id(p) not in managed_ids and not isinstance(p, FlatParameter):
                 expected[base + name] = ("plain", tuple(p.shape), None)
@@ -147,7 +136,7 @@ def _expected_local_numel(kind: str, shape: tuple, fsdp: Any) -> int:
 
 
 def _validate_load_input(
-    root: FullyShardedDataParallel,
+    root: _FSDPState,
     state_dict: dict[str, Any],
     prefix: str,
     strict: bool,

@@ -22,15 +22,13 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
+from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState
 from reference._fsdp1._flat_param import FLAT_PARAM
-
-if TYPE_CHECKING:
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 class TrainingState(Enum):
@@ -41,17 +39,15 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
-def _lazy_init(state: FullyShardedDataParallel) -> None:
+def _lazy_init(state: _FSDPState) -> None:
     """First use of an FSDP tree (forward, state dict, load, summon) from ``state``.
 
     Casts each FSDP module's own buffers to its ``buffer_dtype`` (ignored buffers never), once.
     The original buffer dtypes were recorded at construction and are what state dicts save.
     """
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     if state._lazy_init_done:
         return
-    for fsdp in FSDP.fsdp_modules(state):
+    for fsdp in _fsdp_modules(state):
         if fsdp._lazy_init_done:
             continue
         fsdp._lazy_init_done = True
@@ -73,7 +69,7 @@ def _cast_forward_inputs(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[An
     return tree_map_only(torch.Tensor, cast, args), tree_map_only(torch.Tensor, cast, kwargs)
 
 
-def _forward(state: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> Any:
+def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     """Gather this module's flat parameter, run the wrapped module on its views, reshard.
 
     The root lazily initialises the tree and casts inputs when ``cast_root_forward_inputs``; a
@@ -124,7 +120,7 @@ def _register_pre_backward_hooks(handle: Any, output: Any) -> None:
 
 
 def _validate_unshard_params_args(
-    state: FullyShardedDataParallel,
+    state: _FSDPState,
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
@@ -142,19 +138,19 @@ def _validate_unshard_params_args(
         raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
 
 
-def _hide_flat_param(state: FullyShardedDataParallel) -> None:
+def _hide_flat_param(state: _FSDPState) -> None:
     if state._handle is not None:
         state._handle._fully_sharded_module._parameters.pop(FLAT_PARAM, None)
 
 
-def _show_flat_param(state: FullyShardedDataParallel) -> None:
+def _show_flat_param(state: _FSDPState) -> None:
     if state._handle is not None and not state._use_orig_params:
         state._handle._fully_sharded_module._parameters[FLAT_PARAM] = state._handle.flat_param
 
 
 @contextlib.contextmanager
 def _unshard_fsdp_state_params(
-    state: FullyShardedDataParallel,
+    state: _FSDPState,
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
@@ -222,10 +218,8 @@ def _unshard_params(
     with_grads: bool,
 ) -> Iterator[None]:
     """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``)."""
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    own = [module] if isinstance(module, FSDP) else []
-    states = FSDP.fsdp_modules(module) if recurse else own
+    own = [module] if isinstance(module, _FSDPState) else []
+    states = _fsdp_modules(module) if recurse else own
     for state in states:
         _validate_unshard_params_args(state, writeback, rank0_only, offload_to_cpu, with_grads)
     for state in states:

@@ -21,7 +21,7 @@
 with a default ``FullStateDictConfig`` and warns (texts as upstream, including the missing space
 in the load warning).
 
-The root's pre-load hook first validates the whole input (``_fsdp1_load_checks``): a bad dict
+The root's pre-load hook first validates the whole input (``_load_checks``): a bad dict
 raises before any tensor is written.
 """
 
@@ -31,7 +31,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,25 +45,17 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
+from reference._fsdp1._common_utils import FSDP_PREFIX, _FSDPState, clean_tensor_name
 from reference._fsdp1._flat_param import FLAT_PARAM
 from reference._fsdp1._load_checks import _validate_load_input
 from reference._fsdp1._runtime_utils import _lazy_init, _unshard_fsdp_state_params
 from reference.api import FullStateDictConfig, ShardingStrategy, StateDictType
 
-if TYPE_CHECKING:
-    from reference._fsdp1.fully_sharded_data_parallel import FullyShardedDataParallel
-
-FSDP_PREFIX = "_fsdp_wrapped_module."
 FULL, LOCAL, SHARDED = (
     StateDictType.FULL_STATE_DICT,
     StateDictType.LOCAL_STATE_DICT,
     StateDictType.SHARDED_STATE_DICT,
 )
-
-
-def clean_tensor_name(name: str) -> str:
-    """``name`` without FSDP's and activation checkpointing's wrapper prefixes."""
-    return name.replace(FSDP_PREFIX, "").replace("_checkpoint_wrapped_module.", "")
 
 
 def _replace_by_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
@@ -72,7 +64,7 @@ def _replace_by_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
         state_dict[new + key[len(old) :]] = state_dict.pop(key)
 
 
-def _param_fqns(state: FullyShardedDataParallel) -> Iterator[tuple[str, int]]:
+def _param_fqns(state: _FSDPState) -> Iterator[tuple[str, int]]:
     """Clean FQN (relative to the FSDP module) and parameter index of every managed name,
     primaries first, then shared aliases."""
     handle = state._handle
@@ -83,7 +75,7 @@ def _param_fqns(state: FullyShardedDataParallel) -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def _effective_type(state: FullyShardedDataParallel, load: bool) -> Iterator[None]:
+def _effective_type(state: _FSDPState, load: bool) -> Iterator[None]:
     """Run a hook as FULL (default config) under NO_SHARD, with upstream's warning."""
     if state.sharding_strategy != ShardingStrategy.NO_SHARD:
         yield
@@ -101,7 +93,7 @@ def _effective_type(state: FullyShardedDataParallel, load: bool) -> Iterator[Non
         state._state_dict_type, state._state_dict_config = saved
 
 
-def _set_use_dtensor(state: FullyShardedDataParallel) -> None:
+def _set_use_dtensor(state: _FSDPState) -> None:
     if state._device_mesh is None:
         return
     if state._state_dict_type == LOCAL:
@@ -144,7 +136,7 @@ def _check_local_supported(state) -> None:
 
 
 @torch.no_grad()
-def _pre_state_dict_hook(module: FullyShardedDataParallel, *args: Any, **kwargs: Any) -> None:
+def _pre_state_dict_hook(module: _FSDPState, *args: Any, **kwargs: Any) -> None:
     state = module
     if state.sharding_strategy != ShardingStrategy.NO_SHARD:
         _set_use_dtensor(state)
@@ -162,7 +154,7 @@ def _pre_state_dict_hook(module: FullyShardedDataParallel, *args: Any, **kwargs:
 
 @torch.no_grad()
 def _post_state_dict_hook(
-    module: FullyShardedDataParallel,
+    module: _FSDPState,
     state_dict: dict[str, Any],
     prefix: str,
     *args: Any,
@@ -292,7 +284,7 @@ def _local_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> No
 
 @torch.no_grad()
 def _pre_load_state_dict_hook(
-    module: FullyShardedDataParallel,
+    module: _FSDPState,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: Any,
@@ -359,7 +351,7 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
 
 
 @torch.no_grad()
-def _post_load_state_dict_hook(module: FullyShardedDataParallel, incompatible_keys: Any) -> None:
+def _post_load_state_dict_hook(module: _FSDPState, incompatible_keys: Any) -> None:
     state = module
     with _effective_type(state, load=True):
         if state._state_dict_type != LOCAL:
@@ -369,7 +361,7 @@ def _post_load_state_dict_hook(module: FullyShardedDataParallel, incompatible_ke
     unexpected[:] = [clean_tensor_name(k) for k in unexpected]
 
 
-def _register_all_state_dict_hooks(state: FullyShardedDataParallel) -> None:
+def _register_all_state_dict_hooks(state: _FSDPState) -> None:
     """Pre/post save and pre/post load hooks, registered on the FSDP module itself."""
     state._unshard_stack = None
     state.register_state_dict_pre_hook(_pre_state_dict_hook)

@@ -60,6 +60,7 @@ from reference.api import (
     StateDictSettings,
     StateDictType,
 )
+from reference.wrap._wrap_utils import _auto_wrap
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -166,8 +167,6 @@ class FullyShardedDataParallel(_FSDPState):
                 )
 
         if auto_wrap_policy is not None:
-            from reference.wrap._wrap_utils import _auto_wrap
-
             root_kwargs = {
                 "process_group": process_group,
                 "sharding_strategy": sharding_strategy,
