@@ -176,3 +176,75 @@ def make_batch(name: str, batch: int, generator: torch.Generator) -> torch.Tenso
     if kind == "tokens":
         return torch.randint(0, SharedParamsTransformer.VOCAB, (batch, width), generator=generator)
     return torch.randn(batch, width, generator=generator)
+
+
+# ------------------------------------------------------------------ W8, W11, W15, W16 models
+class BatchNormNet(nn.Module):
+    """``lin`` Linear(2, 2) and one norm layer of each kind (W8): ``bn1`` BatchNorm1d(2), ``bn2``
+    BatchNorm2d(2), ``bn3`` BatchNorm3d(2), ``sync_bn`` SyncBatchNorm(2) (built, never run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.bn1 = nn.BatchNorm1d(2)
+        self.bn2 = nn.BatchNorm2d(2)
+        self.bn3 = nn.BatchNorm3d(2)
+        self.sync_bn = nn.SyncBatchNorm(2)
+
+
+class BatchNormContainer(nn.Module):
+    """``bn_container``: a :class:`BatchNormNet` (W8's container case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn_container = BatchNormNet()
+
+
+class RecordingBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm1d that records the dtypes of its input and weight inside forward (W11)."""
+
+    def __init__(self, features: int):
+        super().__init__(features)
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def forward(self, x):
+        self.seen.append((x.dtype, self.weight.dtype))
+        return super().forward(x)
+
+
+class RecordingNormNet(NormNet):
+    """:class:`NormNet` whose batch norm is a :class:`RecordingBatchNorm`."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = RecordingBatchNorm(8)
+
+
+class ZeroArgNet(nn.Module):
+    """``forward()`` takes no argument and returns ``(weight * 2).sum(0)`` (W15)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(1.0, 7.0).reshape(3, 2))
+
+    def forward(self):
+        return (self.weight * 2).sum(0)
+
+
+def _lin5() -> nn.Linear:
+    return nn.Linear(5, 5, bias=False)
+
+
+class StatesModel(nn.Module):
+    """W16's model: ``seq1`` Seq(L, L) with buffer ``seq1_buffer``, ``lin`` L, ``seq2``
+    Seq(Seq(L), L) with buffer ``seq2.1.seq2_1_buffer``; L = Linear(5, 5, bias=False). ``share``:
+    "parent-child" ties ``seq2.0.0.weight`` to ``lin.weight``, "siblings" to ``seq1.0.weight``."""
+
+    def __init__(self, share: str):
+        super().__init__()
+        self.seq1 = nn.Sequential(_lin5(), _lin5())
+        self.seq1.register_buffer("seq1_buffer", torch.zeros(2))
+        self.lin = _lin5()
+        self.seq2 = nn.Sequential(nn.Sequential(_lin5()), _lin5())
+        self.seq2[1].register_buffer("seq2_1_buffer", torch.zeros(3))
+        self.seq2[0][0].weight = self.lin.weight if share == "parent-child" else self.seq1[0].weight

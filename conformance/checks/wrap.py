@@ -651,3 +651,269 @@ def fsdp2_plan_units_and_parity(ctx, case):
             diff = (full - ref).abs().max().item()
             raise AssertionError(f"{where} after {STEPS} SGD steps {name} differs from the unwrapped "
                                  f"model trained on the global batch (max abs diff {diff:.3g})")
+
+
+# ---------------------------------------------------------------- W8, W13-W16: the helper APIs
+class Box(nn.Module):
+    """A stand-in wrapper class: holds ``module`` and the kwargs it was built with."""
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__()
+        self.module = module
+        self.kwargs = kwargs
+
+
+def _wrap_api(ctx, name: str):
+    """``name`` from the implementation's wrap module (``ns.wrap``), else from the module that
+    defines it in upstream's or the reference's layout; NotSupported when it has none."""
+    import importlib
+
+    base_name = ctx.impl.ns.__name__
+    for module_name in (f"{base_name}.wrap", f"{base_name}._wrap_utils",
+                        f"{base_name}.wrap._wrap_plan"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise NotSupported(f"{name} (not in {base_name}.wrap)")
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """id(module) -> its first name in ``named_modules()``."""
+    return {id(m): n for n, m in model.named_modules()}
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
+def or_policy_and_per_class_policy(ctx):
+    """W8: ``_or_policy`` answers any(policy(module=, recurse=, nonwrapped_numel=)); the per-class
+    helper ``_wrap_module_cls_individually`` answers True to recurse and isinstance to wrap."""
+    or_policy = _wrap_api(ctx, "_or_policy")
+    individually = _wrap_api(ctx, "_wrap_module_cls_individually")
+    calls = []
+
+    def yes(module, recurse, nonwrapped_numel):
+        calls.append(("yes", recurse, nonwrapped_numel))
+        return True
+
+    def no(module, recurse, nonwrapped_numel):
+        calls.append(("no", recurse, nonwrapped_numel))
+        return False
+
+    lin, bn = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    for policies, want in (([no, no], False), ([no, yes], True), ([yes], True), ([], False)):
+        for recurse in (True, False):
+            calls.clear()
+            got = or_policy(lin, recurse, 7, policies)
+            assert got is want, (f"{ctx.where()} W8 _or_policy({[p.__name__ for p in policies]}, "
+                                 f"recurse={recurse}) = {got}, expected {want}")
+            if policies:
+                assert calls and all(c[1:] == (recurse, 7) for c in calls), (
+                    f"{ctx.where()} W8 _or_policy passed {calls} to its policies, expected "
+                    f"recurse={recurse}, nonwrapped_numel=7")
+    classes = (nn.modules.batchnorm._BatchNorm,)
+    for module, recurse, want in ((lin, True, True), (bn, True, True), (lin, False, False),
+                                  (bn, False, True)):
+        got = individually(module, module_classes=classes, recurse=recurse, nonwrapped_numel=0)
+        assert got is want, (f"{ctx.where()} W8 _wrap_module_cls_individually({type(module).__name__}, "
+                             f"recurse={recurse}) = {got}, expected {want}")
+
+
+W8_CASES = {
+    # the four norm layers alone, lin not (the per-class helper alone, or OR'd with a never-policy)
+    "individually": ("bn_net", False, ("bn1", "bn2", "bn3", "sync_bn", "")),
+    "or-never": ("bn_net", True, ("bn1", "bn2", "bn3", "sync_bn", "")),
+    # OR(container policy, per-class): the container and each norm layer inside it
+    "container-or": ("container", True, ("bn_container.bn1", "bn_container.bn2", "bn_container.bn3",
+                                         "bn_container.sync_bn", "bn_container", "")),
+    # the container policy alone: the norm layers stay inside the container's unit
+    "container-alone": ("container", False, ("bn_container", "")),
+}
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API},
+       cases={k: {"case": k} for k in W8_CASES})
+def fsdp1_or_policy_units(ctx, case):
+    """W8: FSDP1 with ``_or_policy`` / the per-class helper as ``auto_wrap_policy`` builds exactly
+    the expected units: every norm layer its own unit, ``lin`` never; a container policy OR'd
+    with the per-class helper nests the norm units inside the container's unit."""
+    ns = ctx.impl.ns
+    or_policy = _wrap_api(ctx, "_or_policy")
+    per_class = functools.partial(_wrap_api(ctx, "_wrap_module_cls_individually"),
+                                  module_classes=(nn.modules.batchnorm._BatchNorm,))
+    model_name, with_or, units = W8_CASES[case]
+
+    def container_policy(module, recurse, nonwrapped_numel):
+        return recurse or isinstance(module, zoo.BatchNormNet)
+
+    if model_name == "bn_net":
+        model = zoo.BatchNormNet()
+        policy = functools.partial(or_policy, policies=[_never, per_class]) if with_or else per_class
+    else:
+        model = zoo.BatchNormContainer()
+        policy = (functools.partial(or_policy, policies=[container_policy, per_class]) if with_or
+                  else container_policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy,
+                                              device_id=_device_id(ctx))
+    got = sorted(_fsdp1_units(ctx, wrapped))
+    assert got == sorted(units), f"{ctx.where()} W8 {case}: FSDP modules {got}, expected {sorted(units)}"
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
+def post_order_apply(ctx):
+    """W13: ``_post_order_apply(root, fn)`` calls fn on children before parents, siblings in
+    registration order, root last, a shared module once; a returned module replaces the child
+    (setattr on its parent); returning a module for the root or a non-module raises
+    AssertionError with upstream's message."""
+    apply = _wrap_api(ctx, "_post_order_apply")
+    model = zoo.nested_sequential()
+    names, order = _names(model), []
+    apply(model, lambda m: order.append(names[id(m)]))
+    want = ["0", "1", "2.0", "2.1", "2", ""]
+    assert order == want, f"{ctx.where()} W13 visit order {order}, expected {want} (post-order)"
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.Sequential(shared, nn.Linear(2, 2)))
+    names, order = _names(model), []
+    apply(model, lambda m: order.append(names[id(m)]))
+    want = ["0", "1.1", "1", ""]
+    assert order == want, f"{ctx.where()} W13 shared module: visit order {order}, expected {want}"
+
+    model = zoo.nested_sequential()
+    originals = [model[0], model[2][1]]
+    apply(model, lambda m: Box(m) if any(m is o for o in originals) else None)
+    assert isinstance(model[0], Box) and model[0].module is originals[0], (
+        f"{ctx.where()} W13: the module returned for 0 did not replace it ({type(model[0]).__name__})")
+    assert isinstance(model[2][1], Box) and model[2][1].module is originals[1], (
+        f"{ctx.where()} W13: the module returned for 2.1 did not replace it")
+    assert isinstance(model[1], nn.Linear), f"{ctx.where()} W13: 1 was replaced by {type(model[1]).__name__}"
+
+    model = zoo.nested_sequential()
+    _expect_raise(ctx, "W13 replacing the root", AssertionError,
+                  f"Non-root modules should have their parent module set but got None for {model}",
+                  lambda: apply(model, lambda m: Box(m) if m is model else None))
+    model = zoo.nested_sequential()
+    _expect_raise(ctx, "W13 a non-module return", AssertionError,
+                  "fn should return None or an nn.Module but got 1",
+                  lambda: apply(model, lambda m: 1 if m is model[0] else None))
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
+def recursive_wrap_numel(ctx):
+    """W14: ``_recursive_wrap`` with size_based(40) on the nested Sequential wraps ``2`` (60) and
+    then the root remainder, returning (wrapper, 120); with only_wrap_children the root stays
+    and it returns 60; the kwargs reach the wrapper; an already wrapped child raises
+    AssertionError("Child module ... is already wrapped by ...")."""
+    recursive_wrap = _wrap_api(ctx, "_recursive_wrap")
+    policy = functools.partial(ctx.impl.ns.wrap.size_based_auto_wrap_policy, min_num_params=40)
+    model = zoo.nested_sequential()
+    inner = model[2]
+    out, numel = recursive_wrap(model, policy, Box, set(), set(), tag="t")
+    assert isinstance(out, Box) and out.module is model and numel == 120, (
+        f"{ctx.where()} W14 returned ({type(out).__name__}, {numel}), expected (Box(root), 120)")
+    assert isinstance(model[2], Box) and model[2].module is inner and model[2].kwargs == {"tag": "t"}, (
+        f"{ctx.where()} W14: 2 is {type(model[2]).__name__}, expected Box(2) with the kwargs")
+    assert isinstance(model[0], nn.Linear), f"{ctx.where()} W14: 0 (30 < 40) was wrapped"
+
+    model = zoo.nested_sequential()
+    out, numel = recursive_wrap(model, policy, Box, set(), set(), only_wrap_children=True)
+    assert out is model and numel == 60 and isinstance(model[2], Box), (
+        f"{ctx.where()} W14 only_wrap_children: returned ({type(out).__name__}, {numel}), expected "
+        f"(the root itself, 60) with 2 wrapped")
+
+    model = nn.Sequential(nn.Linear(5, 5), Box(nn.Linear(5, 5)))
+    _expect_raise(ctx, "W14 an already wrapped child", AssertionError,
+                  f"Child module {model[1]} is already wrapped by {Box}",
+                  lambda: recursive_wrap(model, policy, Box, set(), set()))
+
+
+@check(area="wrap", requires={base.AUTO_WRAP})
+def zero_argument_forward(ctx):
+    """W15: a sharded module whose ``forward()`` takes no argument runs, returns the unwrapped
+    module's output, and its backward reaches every parameter."""
+    expected = zoo.ZeroArgNet()().detach()
+    model = ctx.impl.shard(zoo.ZeroArgNet().to(ctx.device), ctx)
+    out = model()
+    assert torch.equal(out.detach().cpu(), expected), (
+        f"{ctx.where()} W15 forward() returned {out.tolist()}, expected {expected.tolist()}")
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters()), (
+        f"{ctx.where()} W15: backward after a zero-argument forward left a parameter without grad")
+
+
+def _states_by_name(model: nn.Module, states) -> dict[str, tuple[set[str], set[str]]]:
+    names = _names(model)
+    params = {id(p): n for n, p in model.named_parameters()}
+    buffers = {id(b): n for n, b in model.named_buffers()}
+    return {names[id(unit)]: ({params[id(p)] for p in state.params},
+                              {buffers[id(b)] for b in state.buffers})
+            for unit, state in states.items()}
+
+
+W16_CASES = {
+    # shared parameter between a parent unit (root, through lin) and a child unit (seq2.0): the
+    # parent walks first (modules() order) and takes it
+    "parent-child": ("parent-child", False, {
+        "": ({"lin.weight"}, set()),
+        "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
+        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+        "seq2.0": (set(), set())}),
+    # shared between siblings (seq1.0 and seq2.0.0), LCA variant: their lowest common ancestor's
+    # unit (the root) takes it
+    "siblings-lca": ("siblings", True, {
+        "": ({"lin.weight", "seq1.0.weight"}, set()),
+        "seq1": ({"seq1.1.weight"}, {"seq1.seq1_buffer"}),
+        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+        "seq2.0": (set(), set())}),
+}
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,),
+       cases={k: {"case": k} for k in W16_CASES})
+def module_to_states(ctx, case):
+    """W16 (seed era; removed upstream in torch 2.13, so not supported there):
+    ``_get_fully_sharded_module_to_states`` maps the root and each unit ModuleWrapPolicy({Sequential})
+    selects, in modules() order, to the parameters and buffers it owns: a shared parameter goes to
+    the first unit walking to it (or, LCA variant, to the unit of the lowest common ancestor)."""
+    states_of = _wrap_api(ctx, "_get_fully_sharded_module_to_states")
+    share, lca, want = W16_CASES[case]
+    model = zoo.StatesModel(share)
+    policy = ctx.impl.ns.wrap.ModuleWrapPolicy({nn.Sequential})
+    kwargs = {"assign_shared_params_to_lca": True} if lca else {}
+    states = states_of(model, policy, set(), set(), **kwargs)
+    got = _states_by_name(model, states)
+    assert list(got) == ["", "seq1", "seq2", "seq2.0"], (
+        f"{ctx.where()} W16 {case}: units {list(got)}, expected ['', 'seq1', 'seq2', 'seq2.0'] "
+        "(modules() order)")
+    for unit, (params, buffers) in want.items():
+        assert got[unit] == (params, buffers), (
+            f"{ctx.where()} W16 {case}: unit {unit!r} owns params {sorted(got[unit][0])} buffers "
+            f"{sorted(got[unit][1])}, expected {sorted(params)} / {sorted(buffers)}")
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API, base.MIXED_PRECISION},
+       cases={"module-policy": {"never": False}, "never-policy": {"never": True}})
+def fsdp1_batch_norm_override_forward(ctx, never):
+    """W11: under FSDP1 with fp16 mixed precision and an auto_wrap_policy, the batch norm's own
+    unit computes in fp32 (its input is cast up and its weight is fp32) and hands its output back
+    in the dtype its input had (fp16); forward and backward run, the output is fp16."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    model = zoo.RecordingNormNet()
+    policy = _never if never else ns.wrap.ModuleWrapPolicy({nn.Linear})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy,
+                                              mixed_precision=_mp(ns, True), device_id=_device_id(ctx))
+    bn_out = []
+    model.bn.register_forward_hook(lambda m, args, out: bn_out.append(out.dtype))
+    out = wrapped(torch.randn(4, 4, device=ctx.device))
+    assert model.bn.seen == [(torch.float32, torch.float32)], (
+        f"{ctx.where()} W11 the batch norm saw (input, weight) dtypes {model.bn.seen}, expected "
+        "[(float32, float32)] (mixed precision disabled for its unit)")
+    assert bn_out == [FP16], f"{ctx.where()} W11 the batch norm's output was {bn_out}, expected [float16] (cast back)"
+    assert out.dtype == FP16, f"{ctx.where()} W11 output dtype {out.dtype}, expected float16"
+    out.float().sum().backward()
