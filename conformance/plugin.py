@@ -84,6 +84,12 @@ def pytest_addoption(parser):
         help="another directory of check modules to collect (importable from the rootdir); "
         "repeatable",
     )
+    g.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="random examples per fuzz case (default: a fixed, derandomized CI budget)",
+    )
 
 
 @dataclass
@@ -248,7 +254,8 @@ class CheckFile(pytest.File):
                     device, backend = session.placement[ws]
                     for case in spec.cases:
                         suffix = f"-{case}" if case else ""
-                        item = CheckItem.from_parent(
+                        item_class = getattr(spec.fn, "item_class", CheckItem)  # fuzz: FuzzItem
+                        item = item_class.from_parent(
                             self, name=f"{spec.name}[{impl.name}-ws{ws}{suffix}]"
                         )
                         meta = CaseMeta(

@@ -1,0 +1,240 @@
+"""Area "fuzz": random models and settings against the single-process oracle (differential fuzzing).
+
+Each check below is run by hypothesis in the driver (see :mod:`conformance.fuzz`): its body gets one
+drawn ``example`` (a plain dict, :mod:`conformance.fuzz.model`) on every rank. Expected values come
+from the rules (rows from ``ceil(d/ws)``, flat elements from ``ceil(N/ws)``) and from an unsharded copy
+of the model trained in one process on the global batch (the oracle), never from the implementation
+under test. Tolerances as in ``training.py``: fp32 losses ``rtol=1e-5``, parameters ``rtol=1e-4``;
+with mixed precision, losses within ``rtol=3e-2`` and each parameter's total update within 10% (norm)
+of the oracle's fp32 update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from conformance.adapters import base
+from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.checks._sd_models import (
+    assert_entry,
+    expected_state_dict,
+    full_params,
+)
+from conformance.checks.layout import flat_range
+from conformance.checks.training import FP32, assert_close, local_chunk
+from conformance.fuzz import fuzz_check
+from conformance.fuzz import model as fm
+from conformance.fuzz import strategies as fs
+from conformance.registry import check
+
+MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.1}
+
+
+def shard(ctx, example: dict, salt: int = 0, impl=None, plain: bool = False):
+    """(sharded model, unsharded oracle copy) for ``example``; ``plain``: without the example's
+    options (for another implementation than the one they were drawn for)."""
+    impl = impl or ctx.impl
+    model = fm.build(example, salt).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    options = {} if plain else fm.shard_options(example, model)
+    return impl.shard(model, ctx, plan=fm.plan(example, plain), **options), oracle
+
+
+def train(ctx, model, oracle, example: dict, steps: int) -> None:
+    """``steps`` SGD steps of the sharded model (rank r: samples r*B..(r+1)*B of the global batch)
+    and of the oracle (the whole batch); rank r's loss must equal the oracle's on its samples."""
+    low = bool(example.get("options", {}).get("mixed_precision"))
+    opt = torch.optim.SGD(model.parameters(), lr=fm.LR)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=fm.LR)
+    mine = slice(ctx.rank * fm.B, (ctx.rank + 1) * fm.B)
+    for step in range(steps):
+        x, t, y = fm.batch(example, ctx.world_size, step, ctx.device, oracle.out_width)
+        loss = fm.per_sample_loss(model(x[mine], t[mine]), y[mine]).mean()
+        oloss = fm.per_sample_loss(oracle(x, t), y)
+        oloss.mean().backward()
+        loss.backward()
+        assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(),
+                     MP_TOL["loss"] if low else FP32["loss"])
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+
+
+def oracle_params(oracle) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in oracle.named_parameters()}
+
+
+def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
+    """Every full parameter of a sharded model: ``full_tensor()`` of DTensor parameters (any
+    placement), else reassembled from the layout view (``full_params``)."""
+    impl = impl or ctx.impl
+    if base.DTENSOR_PARAMS in impl.capabilities:
+        return {clean_fqn(n): p.detach().full_tensor().cpu() for n, p in model.named_parameters()}
+    return full_params(ctx, model, impl)
+
+
+def assert_restored(ctx, model, expected: dict, what: str, impl=None) -> None:
+    """The sharded ``model``'s parameters and persistent buffers equal ``expected``."""
+    for fqn, value in gathered(ctx, model, impl).items():
+        assert torch.equal(value, expected[fqn]), (
+            f"{ctx.where()} {what}: {fqn} is {value.reshape(-1)[:4].tolist()}, expected the saved "
+            f"{expected[fqn].reshape(-1)[:4].tolist()}")
+    for name, buf in model.named_buffers():
+        name = clean_fqn(name)
+        if name in expected:
+            assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
+                f"{ctx.where()} {what}: buffer {name} is {buf.reshape(-1)[:4].tolist()}, expected "
+                f"{expected[name].reshape(-1)[:4].tolist()}")
+
+
+@fuzz_check(features=fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING})
+@check(area="fuzz")
+def layout(ctx, example):
+    """Every parameter of a random model sits where the layout rule puts it: dim-0 (or the placed
+    dim's) chunk of ceil(d/ws), or elements [r*ceil(N/ws), ...) of its unit's flat parameter with
+    zero padding; the all-gathered parameters equal the originals (P1, P7, P13)."""
+    model, oracle = shard(ctx, example)
+    originals = oracle_params(oracle)
+    if base.PER_PARAM_DIM0 in ctx.impl.capabilities:
+        views = {clean_fqn(k): v for k, v in ctx.impl.local_shards(model).items()}
+        assert set(views) == set(originals), f"{ctx.where()} parameters {sorted(views)} != {sorted(originals)}"
+        for fqn, orig in originals.items():
+            dim = example.get("placements", {}).get(fqn, 0)
+            expected = local_chunk(orig, dim, ctx.world_size, ctx.rank)
+            local = views[fqn].local.detach().cpu()
+            if orig.numel() == 0:  # no values to place (zero-trailing shapes: layout.py's cases)
+                assert local.numel() == 0, f"{ctx.where()} {fqn}: {local.numel()} local elements of an empty parameter"
+                continue
+            assert local.shape == expected.shape and torch.equal(local, expected), (
+                f"{ctx.where()} {fqn} {tuple(orig.shape)} Shard({dim}): local shard {tuple(local.shape)} "
+                f"{local.reshape(-1)[:4].tolist()}, expected its chunk {tuple(expected.shape)} "
+                f"{expected.reshape(-1)[:4].tolist()}")
+            padded = views[fqn].padded
+            if dim == 0 and base.PADDED_STORAGE in ctx.impl.capabilities and padded is not None:
+                rows = -(-orig.shape[0] // ctx.world_size)
+                want = rows * fm.numel(orig.shape[1:])
+                assert padded.numel() == want, (
+                    f"{ctx.where()} {fqn}: padded storage of {padded.numel()} elements, expected {want}")
+                assert not padded.detach().cpu()[expected.numel():].any(), (
+                    f"{ctx.where()} {fqn}: padding after element {expected.numel()} is not zero")
+    elif base.FLAT_PARAM in ctx.impl.capabilities:
+        seen = []
+        for fqns, shard_ in ctx.impl.flat_shards(model):
+            fqns = [clean_fqn(f) for f in fqns]
+            order = [f for f in originals if f in fqns]
+            assert fqns == order, f"{ctx.where()} flat parameter order {fqns}, expected registration order {order}"
+            flat = torch.cat([originals[f].reshape(-1) for f in fqns]) if fqns else torch.zeros(0)
+            start, end, chunk = flat_range(flat.numel(), ctx.world_size, ctx.rank)
+            got = shard_.detach().cpu()
+            assert got.numel() == chunk and torch.equal(got[: end - start], flat[start:end]), (
+                f"{ctx.where()} flat parameter of {fqns}: shard of {got.numel()} elements "
+                f"{got[:4].tolist()}, expected elements {start}:{end} of {flat.numel()} padded to {chunk}")
+            assert not got[end - start:].any(), f"{ctx.where()} flat parameter of {fqns}: padding not zero"
+            seen += fqns
+        assert sorted(seen) == sorted(originals), (
+            f"{ctx.where()} flattened parameters {sorted(seen)} != the model's {sorted(originals)}")
+    else:
+        raise NotSupported(f"{base.PER_PARAM_DIM0} or {base.FLAT_PARAM}")
+    reassembled = full_params(ctx, model)
+    for fqn, orig in originals.items():
+        if example.get("placements", {}).get(fqn, 0) == 0:  # full_params reads dim-0 views
+            assert torch.equal(reassembled[fqn], orig), (
+                f"{ctx.where()} {fqn}: reassembled from the ranks' shards, it differs from the original")
+    if base.DTENSOR_PARAMS in ctx.impl.capabilities:
+        for fqn, param in model.named_parameters():
+            full = param.detach().full_tensor().cpu()
+            assert torch.equal(full, originals[clean_fqn(fqn)]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+
+
+@fuzz_check(features=fs.ALL_FEATURES)
+@check(area="fuzz", requires={base.TRAINING})
+def train_parity(ctx, example):
+    """A random model trained 2-3 SGD steps, each rank on its slice of the global batch, has the
+    oracle's per-rank losses and, after the steps, the oracle's parameters (P6, P7)."""
+    model, oracle = shard(ctx, example)
+    before = oracle_params(oracle)
+    train(ctx, model, oracle, example, example["steps"])
+    got, want = gathered(ctx, model), oracle_params(oracle)
+    low = bool(example.get("options", {}).get("mixed_precision"))
+    for fqn, value in want.items():
+        if not low:
+            assert_close(ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"])
+            continue
+        err = (got[fqn] - value).float().norm().item()
+        scale = (value - before[fqn]).norm().item()
+        assert err <= MP_TOL["update"] * scale + 1e-4, (
+            f"{ctx.where()} {fqn}: after {example['steps']} mixed-precision steps the parameters are "
+            f"{err:.3g} (norm) from the fp32 oracle's, more than 10% of its update {scale:.3g}")
+
+
+def _kind(impl, kind: str) -> str:
+    """The implementation's state-dict kind for a FULL or SHARDED dict (FSDP1 or FSDP2 style)."""
+    caps = impl.capabilities
+    if kind == "full":
+        if base.FULL_STATE_DICT in caps:
+            return "full"
+        if base.DTENSOR_STATE_DICT in caps:
+            return "dcp-full"
+    elif base.SHARDED_STATE_DICT in caps:
+        return "sharded"
+    elif base.DTENSOR_STATE_DICT in caps:
+        return "dtensor"
+    raise NotSupported(f"{kind} state dict ({base.FULL_STATE_DICT if kind == 'full' else base.SHARDED_STATE_DICT} "
+                       f"or {base.DTENSOR_STATE_DICT})")
+
+
+@fuzz_check(features={fs.TIES, fs.PLACEMENTS, fs.RESHARD, fs.ORIG_PARAMS, fs.TRAINING})
+@check(area="fuzz", requires={base.TRAINING}, cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}})
+def state_dict_round_trip(ctx, example, kind):
+    """After a training step, a random model's FULL (SHARDED) state dict holds the oracle's values
+    (this rank's dim-0 chunk) under clean keys, persistent buffers included and non-persistent ones
+    never, and loads into a freshly built model with other values, restoring them (S2, S5, S12, P8)."""
+    impl_kind = _kind(ctx.impl, kind)
+    model, oracle = shard(ctx, example)
+    train(ctx, model, oracle, example, 1)
+    expected = expected_state_dict(oracle)
+    trained = {**expected, **gathered(ctx, model)}  # what a load must restore, exactly
+    sd = ctx.impl.state_dict(model, impl_kind)
+    assert set(sd) == set(expected), (
+        f"{ctx.where()} {impl_kind} state-dict keys: missing {sorted(set(expected) - set(sd))}, "
+        f"unexpected {sorted(set(sd) - set(expected))}")
+    params = dict(oracle.named_parameters(remove_duplicate=False))
+    full = impl_kind in ("full", "dcp-full") or (ctx.world_size == 1 and base.FLAT_PARAM in ctx.impl.capabilities)
+    for name, value in expected.items():
+        dim = example.get("placements", {}).get(name, 0)
+        if name in params and not full and dim != 0:
+            continue  # a Shard(d) entry: checked through the load below
+        assert_entry(ctx, name, sd[name], value, full=full or name not in params, exact=False)
+    fresh, _ = shard(ctx, example, salt=1)
+    ctx.impl.load_state_dict(fresh, sd, impl_kind)
+    assert_restored(ctx, fresh, trained, f"after loading the {impl_kind} state dict")
+
+
+def _partner(impl):
+    """The other layout's reference implementation (another adapter in this process)."""
+    from conformance.adapters.registry import load_implementation
+
+    name = "reference-fsdp1" if base.PER_PARAM_DIM0 in impl.capabilities else "reference"
+    return load_implementation(name)
+
+
+@fuzz_check(features={fs.PLACEMENTS, fs.RESHARD, fs.ORIG_PARAMS, fs.TRAINING})
+@check(area="fuzz", requires={base.TRAINING})
+def cross_load(ctx, example):
+    """A full state dict saved by the implementation loads into the other layout's reference
+    (FSDP2 <-> FSDP1), and the reference's into the implementation, restoring every value (S2, S19, P8)."""
+    partner = _partner(ctx.impl)
+    model, oracle = shard(ctx, example)
+    train(ctx, model, oracle, example, 1)
+    expected = {**expected_state_dict(oracle), **gathered(ctx, model)}
+    saved = ctx.impl.state_dict(model, _kind(ctx.impl, "full"))
+    other, _ = shard(ctx, example, salt=1, impl=partner, plain=True)
+    partner.load_state_dict(other, saved, _kind(partner, "full"))
+    assert_restored(ctx, other, expected, f"{partner.name} after loading {ctx.impl.name}'s full state dict",
+                  impl=partner)
+    back = partner.state_dict(other, _kind(partner, "full"))
+    fresh, _ = shard(ctx, example, salt=2)
+    ctx.impl.load_state_dict(fresh, back, _kind(ctx.impl, "full"))
+    assert_restored(ctx, fresh, expected, f"after loading {partner.name}'s full state dict")

@@ -1,0 +1,142 @@
+"""Hypothesis strategies that draw fuzz examples (driver side; see :mod:`conformance.fuzz.model`).
+
+What is drawn depends on the world size, the implementation's capabilities and the check's
+*features* (a check that does not train draws no mixed precision, ...). An example never asks an
+implementation for something it does not declare: the example is adjusted instead (the option is
+left out, a wrap unit that the layout cannot take is dropped).
+
+Known upstream limitations the examples steer around (each also covered, as an expected failure,
+by a hand-written check):
+* FSDP1 cannot wrap a unit whose parameters all have numel 0 (``layout::flat_param_*[*-zero-``);
+  flat-parameter units therefore manage no parameters or some elements;
+* FSDP2 (torch 2.13 and the reference alike) cannot run backward through a unit that holds a
+  parameter with numel 0 at world size >= 2 (``RuntimeError: _chunk_cat expects non-empty tensor``
+  in the reduce-scatter copy-in; found by this fuzzer): checks that train draw no zero dims for
+  per-parameter layouts;
+* tied parameters split over two units are not a supported configuration of either API, and torch
+  DCP's full load rejects tied alias keys (``state_dict::shared_params[*-dcp-full``): a unit holds
+  both ends of a tie or neither, and checks that load full DCP state dicts draw no ties.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from conformance.adapters import base
+from conformance.fuzz import model as fm
+
+# check features: what a check's examples may contain beyond a model and a wrap plan
+MIXED_PRECISION = "mixed-precision"
+TIES = "ties"
+PLACEMENTS = "placements"
+RESHARD = "reshard-after-forward"
+ORIG_PARAMS = "use-orig-params"
+TRAINING = "training"  # the check runs backward (see the zero-size limitation above)
+ALL_FEATURES = frozenset({MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING})
+
+
+def dims(ws: int, zero: bool = False):
+    """A dimension below, equal to or above the world size (and 0 when ``zero``); shrinks to 1."""
+    special = [1, ws, ws + 1, max(ws - 1, 1), 2 * ws + 1] + ([0] if zero else [])
+    return st.one_of(st.sampled_from(special), st.integers(1, 3 * ws + 2))
+
+
+@st.composite
+def leaf(draw, ws: int, zero: bool) -> dict:
+    kind = draw(st.sampled_from(fm.LEAF_KINDS))
+    if kind == "linear":
+        return {"kind": kind, "out": draw(dims(ws)), "bias": draw(st.booleans())}
+    if kind == "embedding":
+        return {"kind": kind, "num": draw(dims(ws))}
+    if kind == "conv":
+        return {"kind": kind, "channels": draw(dims(ws)), "k": draw(st.sampled_from([1, 3])),
+                "bias": draw(st.booleans())}
+    if kind == "param":
+        shape = draw(st.lists(dims(ws, zero=zero), min_size=1, max_size=3))
+        buffer = draw(st.sampled_from([None, "persistent", "non-persistent"]))
+        return {"kind": kind, "shape": shape, "buffer": buffer}
+    return {"kind": kind}
+
+
+@st.composite
+def tree(draw, ws: int, depth: int, zero: bool) -> dict:
+    """A ``seq`` node of 1-3 children; a child is a leaf or (while depth allows) another seq."""
+    children = []
+    for _ in range(draw(st.integers(1, 3))):
+        if depth > 1 and draw(st.booleans()):
+            children.append(draw(tree(ws, depth - 1, zero)))
+        else:
+            children.append(draw(leaf(ws, zero)))
+    return {"kind": "seq", "children": children}
+
+
+def _tie_candidates(model) -> list[tuple[str, str]]:
+    leaves = [(p, m) for p, m in model.named_modules() if p and isinstance(getattr(m, "weight", None), fm.nn.Parameter)]
+    return [(a, b) for i, (a, ma) in enumerate(leaves) for b, mb in leaves[i + 1:]
+            if type(ma) is type(mb) and ma.weight.shape == mb.weight.shape]
+
+
+def _splits_tie(unit: str, ties) -> bool:
+    inside = lambda path: unit == "" or path == unit or path.startswith(unit + ".")  # noqa: E731
+    return any(inside(a) != inside(b) for a, b in ties)
+
+
+@st.composite
+def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
+    """One example for ``impl`` at world size ``ws`` (``features``: what the check may use)."""
+    caps = impl.capabilities
+    known = getattr(impl, "known_options", None)
+    allows = lambda opt: known is None or opt in known  # noqa: E731
+    zero = not (TRAINING in features and base.PER_PARAM_DIM0 in caps and ws > 1)
+    example = {
+        "seed": draw(st.integers(0, 2**16)),
+        "width": draw(dims(ws)),
+        "tree": draw(tree(ws, draw(st.integers(1, 4)), zero)),
+        "steps": draw(st.integers(2, 3)),
+    }
+    model = fm.build(example)
+    if not any(p.numel() for p in model.parameters()):  # something to shard and to train
+        example["tree"]["children"].append({"kind": "linear", "out": 1, "bias": True})
+        model = fm.build(example)
+    if TIES in features:
+        candidates = _tie_candidates(model)
+        if candidates and draw(st.booleans()):
+            example["ties"] = [list(draw(st.sampled_from(candidates)))]
+            model = fm.build(example)
+    wrap = []
+    if base.AUTO_WRAP in caps:
+        paths = [p for p in fm.module_paths(model) if not _splits_tie(p, example.get("ties", ()))]
+        wrap = sorted(draw(st.sets(st.sampled_from(paths), max_size=4)) if paths else set())
+        if base.FLAT_PARAM in caps:  # see the module docstring
+            shapes = dict((n, p.shape) for n, p in model.named_parameters())
+            owned = fm.managed(model, wrap + [""])
+            wrap = [u for u in wrap if not owned[u] or any(fm.numel(shapes[f]) for f in owned[u])]
+            owned = fm.managed(model, wrap + [""])
+            if owned[""] and not any(fm.numel(shapes[f]) for f in owned[""]):
+                wrap = []  # the root would hold only empty parameters: shard it as one unit
+    example["wrap"] = wrap
+    options = {}
+    if MIXED_PRECISION in features and base.MIXED_PRECISION in caps and draw(st.booleans()):
+        dtype = draw(st.sampled_from(["bfloat16", "float16"]))
+        mp = {"param_dtype": dtype, "reduce_dtype": draw(st.sampled_from([None, "float32"]))}
+        if base.FLAT_PARAM in caps:
+            mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
+        options["mixed_precision"] = mp
+    if ORIG_PARAMS in features and allows("use_orig_params") and base.FLAT_PARAM in caps:
+        options["use_orig_params"] = draw(st.booleans())
+    example["options"] = options
+    if RESHARD in features and base.RESHARD_AFTER_FORWARD in caps and allows("reshard_after_forward"):
+        values = [True, False] + [d for d in range(2, ws) if ws % d == 0]
+        example["unit_options"] = {
+            u: {"reshard_after_forward": draw(st.sampled_from(values))}
+            for u in wrap + [""] if draw(st.booleans())
+        }
+    if PLACEMENTS in features and base.SHARD_PLACEMENT_FN in caps and allows("shard_placement_fn"):
+        placements = {}
+        for name, p in model.named_parameters():
+            even = [d for d in range(1, p.dim()) if p.shape[d] % ws == 0]
+            if even and draw(st.booleans()):
+                placements[name] = draw(st.sampled_from(even))
+        if placements:
+            example["placements"] = placements
+    return example
