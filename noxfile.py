@@ -1,4 +1,4 @@
-"""Sessions: ``conformance`` (the main job), ``tests``, ``perf``, ``lint``.
+"""Sessions: ``conformance`` (the main job), ``tests``, ``selftest``, ``perf``, ``lint``.
 
 The torch installed into every session is ``$FSDP_CONFORMANCE_TORCH`` — a pip requirement
 (``torch==2.13.0``, the default) or a path to a wheel: how a vendor tests its own torch build.
@@ -55,6 +55,16 @@ def tests(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "perf", "--quick", "-q", "--perf-reports-dir", "reports/smoke"
     )
+
+
+@nox.session
+def selftest(session: nox.Session) -> None:
+    """The suite against its seeded faults (``conformance/selftest/``): which checks catch each
+    fault, the mutation score, ``reports/selftest.json`` / ``.md``. Arguments after ``--`` go to
+    ``python -m conformance selftest`` (``-k`` fault selection, ``--fast``, ``--world-sizes``,
+    ``--checks``, ``--reports-dir``)."""
+    install_torch(session)
+    session.run("python", "-m", "conformance", "selftest", *session.posargs)
 
 
 @nox.session
