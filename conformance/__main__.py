@@ -16,6 +16,7 @@ import pytest
 # name -> "module:function"; the function takes the remaining arguments and returns an exit code
 SUBCOMMANDS: dict[str, str] = {
     "selftest": "conformance.selftest.run:main",  # seeded faults and the mutation score
+    "diff": "conformance.diff:main",  # outcome changes between two runs' conformance.json
 }
 
 
