@@ -10,6 +10,8 @@ columns into each parameter's all-gather output viewed as ``(world_size, s_k)``,
 ``split_with_sizes_copy``. Inputs of different dtypes are gathered as raw bytes (``uint8``).
 A parameter sharded on dim ``d != 0`` comes out as its rank chunks stacked on dim 0, so it goes
 through a temporary from which the chunks are interleaved along ``d``.
+With one rank there is nothing to exchange: each all-gather input (every one an extension returns,
+not only the first) is copied straight into its all-gather output, with no collective.
 
 [Note: reduce-scatter layout and divide factors]
 Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and cut into
@@ -41,7 +43,7 @@ from ._shard_math import dim0_padded_size
 
 
 class AllGatherResult(NamedTuple):
-    all_gather_output: torch.Tensor  # 1D, world_size * sum(all_gather_input_split_sizes)
+    all_gather_output: torch.Tensor | None  # 1D, world_size * sum(split sizes); None at one rank
     all_gather_work: dist.Work | None  # set iff async
     param_all_gather_input_dtypes: list[list[torch.dtype]]
     param_all_gather_input_numels: list[list[int]]
@@ -52,11 +54,20 @@ class AllGatherResult(NamedTuple):
 def foreach_all_gather(
     fsdp_params: list[FSDPParam], group: dist.ProcessGroup, async_op: bool, device: torch.device
 ) -> AllGatherResult:
-    """Copy-in every parameter's inputs into this rank's row, then all-gather once."""
+    """Copy-in every parameter's inputs into this rank's row, then all-gather once (one rank:
+    copy each input straight into its all-gather output instead, see the Note)."""
     world_size, rank = group.size(), group.rank()
     param_inputs = [fsdp_param.all_gather_inputs for fsdp_param in fsdp_params]
     dtypes = [[t.dtype for t in inputs] for inputs in param_inputs]
     numels = [[t.numel() for t in inputs] for inputs in param_inputs]
+    if world_size == 1:
+        outputs = []
+        for fsdp_param, param_numels, param_dtypes in zip(fsdp_params, numels, dtypes):
+            fsdp_param.init_all_gather_outputs(param_numels, param_dtypes, 1, device)
+            outputs.extend(fsdp_param.all_gather_outputs)
+        with _preserve_version_counters(outputs):
+            torch._foreach_copy_(outputs, [t for inputs in param_inputs for t in inputs])
+        return AllGatherResult(None, None, dtypes, numels, [])
     flat_inputs = [t for inputs in param_inputs for t in inputs]
     dtype = flat_inputs[0].dtype
     if any(t.dtype != dtype for t in flat_inputs):
@@ -79,6 +90,8 @@ def foreach_all_gather_copy_out(
     if result.all_gather_work is not None:
         result.all_gather_work.wait()
     world_size, output = group.size(), result.all_gather_output
+    if output is None:
+        return  # one rank: foreach_all_gather filled the outputs
     destinations: list[torch.Tensor] = []
     non_dim0: list[tuple[FSDPParam, list[torch.Tensor]]] = []
     numels_dtypes = zip(result.param_all_gather_input_numels, result.param_all_gather_input_dtypes)
@@ -92,19 +105,23 @@ def foreach_all_gather_copy_out(
     views = [t.view(world_size, -1) for t in destinations]
     if output.dtype == torch.uint8:
         views = [v.view(torch.uint8) for v in views]
-    # The unsharded parameters alias these outputs; refilling them must not bump the version
-    # counters that autograd checks for tensors it saved in forward.
-    tracked = tuple(v for v in views if not v.is_inference())
-    with torch.autograd._unsafe_preserve_version_counter(tracked) if tracked else nullcontext():
+    with _preserve_version_counters(views):
         split_sizes = result.all_gather_input_split_sizes
         torch.split_with_sizes_copy(output.view(world_size, -1), split_sizes, dim=1, out=views)
     for fsdp_param, temps in non_dim0:  # interleave the stacked rank chunks along dim d
         d, padded = fsdp_param.fsdp_placement.dim, fsdp_param.padded_sharded_param_size
         outs = fsdp_param.all_gather_outputs
-        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        with _preserve_version_counters(outs):
             for temp, out in zip(temps, outs):
                 rank_chunks = temp.view(world_size, *padded).movedim(0, d)
                 out.view(*padded[:d], world_size, *padded[d:]).copy_(rank_chunks)
+
+
+def _preserve_version_counters(tensors: list[torch.Tensor]):
+    """The unsharded parameters alias the all-gather outputs; refilling them must not bump the
+    version counters that autograd checks for tensors it saved in forward."""
+    tracked = tuple(t for t in tensors if not t.is_inference())
+    return torch.autograd._unsafe_preserve_version_counter(tracked) if tracked else nullcontext()
 
 
 @torch.no_grad()

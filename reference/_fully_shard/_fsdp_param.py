@@ -23,6 +23,12 @@ Autograd may save the unsharded parameter (or views of it) for backward, so FSDP
 it: the ``nn.Parameter`` is created once and refilled in place on every unshard. Resharding frees
 its memory with ``untyped_storage().resize_(0)`` on the all-gather outputs, which keeps every
 alias valid; unsharding resizes the storage back before the copy-out writes into it.
+
+[Note: parameter subclasses]
+A parameter may be a tensor subclass that implements only a few ops (a quantized-training weight
+with the all-gather extension hooks). FSDP asks of it no more than upstream does: ``new_zeros``,
+``slice``/``view`` and ``copy_`` to build and re-pad its shard (``new_empty`` too upstream, for the
+empty chunk of a rank with no rows), ``detach`` to wrap it; everything else goes through its hooks.
 """
 
 from __future__ import annotations
@@ -342,9 +348,16 @@ class FSDPParam:
 
 @torch.no_grad()
 def _padded_copy(src: torch.Tensor, padded_size: torch.Size, dim: int) -> torch.Tensor:
-    """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it
-    (only the tail is zeroed, so the data is written once)."""
-    out, length = src.new_empty(padded_size), src.size(dim)
+    """A new tensor of ``padded_size`` holding ``src`` at the start of ``dim`` and zeros after it.
+
+    A plain tensor is written once (only the tail is zeroed). A tensor subclass is asked only for
+    the ops upstream uses on it (see the Note on parameter subclasses)."""
+    length = src.size(dim)
+    if type(src) is not torch.Tensor:
+        out = src.new_zeros(padded_size)
+        out.narrow(dim, 0, length).copy_(src)
+        return out
+    out = torch.empty(padded_size, dtype=src.dtype, device=src.device)
     out.narrow(dim, 0, length).copy_(src)
     out.narrow(dim, length, padded_size[dim] - length).zero_()
     return out

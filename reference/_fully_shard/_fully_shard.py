@@ -191,7 +191,7 @@ class FSDPModule:
                     module.reshard()
                 for table in (module._parameters, module._buffers):
                     for name, t in table.items():
-                        copy = _local(t).clone() if t is not None and not assign else None
+                        copy = _snapshot(_local(t)) if t is not None and not assign else None
                         saved.append((table, name, t, copy))
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -229,6 +229,14 @@ class UnshardHandle:
         if self._fsdp_param_group is not None:
             self._fsdp_param_group.wait_for_unshard()
             self._fsdp_param_group = None
+
+
+def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` to roll back to; a parameter subclass is asked only for ops upstream
+    also uses on it (``new_zeros``, ``copy_``), not ``clone``."""
+    if type(tensor) is torch.Tensor:
+        return tensor.clone()
+    return tensor.new_zeros(tensor.shape).copy_(tensor)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
