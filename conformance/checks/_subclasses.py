@@ -17,10 +17,10 @@ Every hook call is appended to :data:`LOG` (clones of what it saw) for the check
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from conformance.checks._rows import chunk_size
 
 LOG: list[dict] = []
 
@@ -96,7 +96,7 @@ class Pair5(PairTensor):
         LOG.append({"hook": "pre5", "mesh": mesh, "outer_size": tuple(outer_size),
                     "outer_stride": tuple(outer_stride), "module": module, "mp_policy": mp_policy,
                     "local_shape": tuple(self.shape)})
-        padded_rows = math.ceil(outer_size[0] / mesh.size())
+        padded_rows = chunk_size(outer_size[0], mesh.size())
         a, b = self.a, self.b
         if a.shape[0] != padded_rows:
             pa = a.new_zeros((padded_rows, *a.shape[1:]))

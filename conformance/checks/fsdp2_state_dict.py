@@ -26,6 +26,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._models import distinct_values
+from conformance.checks._rows import chunk_range, chunk_size
 from conformance.registry import check
 
 
@@ -54,11 +55,6 @@ def build(ctx, salt=0, **options):
     return ctx.impl.shard(model, ctx, plan=PLAN, **options), plain
 
 
-def rows(dim0, ws, rank):
-    chunk = math.ceil(dim0 / ws) if dim0 else 0
-    return min(rank * chunk, dim0), min((rank + 1) * chunk, dim0), chunk
-
-
 def batch(ctx):
     return (distinct_values((3, 4), 5) / 100.0).to(ctx.device)
 
@@ -74,7 +70,8 @@ def assert_repadded(ctx, model, expected, what):
     views = ctx.impl.local_shards(model)
     for fqn, view in views.items():
         orig = expected[fqn]
-        start, end, chunk = rows(orig.shape[0], ctx.world_size, ctx.rank)
+        start, end = chunk_range(orig.shape[0], ctx.world_size, ctx.rank)
+        chunk = chunk_size(orig.shape[0], ctx.world_size)
         row = math.prod(orig.shape[1:])
         padded = view.padded
         assert padded is not None, f"{ctx.where()} {fqn}: no padded storage exposed"
@@ -149,7 +146,8 @@ def foreign_dtensors(ctx, source: dict, garbage: float = 777.0):
 
     out = {}
     for fqn, full in source.items():
-        start, end, chunk = rows(full.shape[0], ctx.world_size, ctx.rank)
+        start, end = chunk_range(full.shape[0], ctx.world_size, ctx.rank)
+        chunk = chunk_size(full.shape[0], ctx.world_size)
         row = math.prod(full.shape[1:])
         buf = torch.full(((chunk + 1) * row,), garbage, dtype=full.dtype, device=ctx.device)
         n = (end - start) * row

@@ -17,6 +17,7 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.checks._rows import chunk_size
 from conformance.checks._sd_models import (
     assert_entry,
     expected_state_dict,
@@ -113,7 +114,7 @@ def layout(ctx, example):
                 f"{expected.reshape(-1)[:4].tolist()}")
             padded = views[fqn].padded
             if dim == 0 and base.PADDED_STORAGE in ctx.impl.capabilities and padded is not None:
-                rows = -(-orig.shape[0] // ctx.world_size)
+                rows = chunk_size(orig.shape[0], ctx.world_size)
                 want = rows * fm.numel(orig.shape[1:])
                 assert padded.numel() == want, (
                     f"{ctx.where()} {fqn}: padded storage of {padded.numel()} elements, expected {want}")
