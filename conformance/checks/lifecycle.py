@@ -117,6 +117,20 @@ def assert_layout(ctx, model, full: dict[str, torch.Tensor], what: str):
                      param.to_local(), expected, dict(rtol=0, atol=0))
 
 
+def assert_padded(ctx, model, full: dict[str, torch.Tensor], what: str):
+    """Where the implementation exposes its padded storage: it has ``full``'s dtype and starts with
+    the rank's rows of ``full``."""
+    for fqn, view in ctx.impl.local_shards(model).items():
+        if view.padded is None:
+            continue
+        rows = chunk_of(full[fqn], 0, ctx.world_size, ctx.rank).reshape(-1)
+        assert view.padded.dtype == full[fqn].dtype, (
+            f"{ctx.where()} {fqn} {what}: padded storage dtype {view.padded.dtype}, expected "
+            f"{full[fqn].dtype}")
+        assert_close(ctx, f"{fqn} padded storage {what}", view.padded[: rows.numel()], rows,
+                     dict(rtol=0, atol=0))
+
+
 def train_and_compare(ctx, model, oracle, steps: int, what: str, dtype=torch.float32):
     """``steps`` SGD steps of both; compare losses, sharded gradients and final parameters."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -266,8 +280,10 @@ CONVERSIONS = {
        cases={k: {"name": k} for k in CONVERSIONS})
 def reset_after_dtype_conversion(ctx, name):
     """After ``module.to(dtype)`` / ``module.double()`` (``nn.Module._apply``) on a sharded model, the
-    sharded parameters are DTensors of that dtype holding the rank's rows of the converted values,
-    and forward, sharded gradients and 2 SGD steps match the oracle converted the same way (P9)."""
+    sharded parameters are DTensors of that dtype holding the rank's rows of the converted values, so
+    is the padded storage the all-gather reads (before any forward, whose lazy init would re-pad
+    anyway), and forward, sharded gradients and 2 SGD steps match the oracle converted the same way
+    (P9)."""
     convert = CONVERSIONS[name]
     model = Chain().to(ctx.device)
     oracle = convert(copy.deepcopy(model))
@@ -281,6 +297,7 @@ def reset_after_dtype_conversion(ctx, name):
             f"{ctx.where()} {fqn}: dtype {param.dtype} (local {param.to_local().dtype}) after "
             f"{name}, expected {dtype}")
     assert_layout(ctx, model, full, f"after {name}")
+    assert_padded(ctx, model, full, f"after {name}")
     if dtype == torch.bfloat16:  # compare the forward only: bf16 steps drift from any oracle
         x, _, mine = batch(ctx, 0)
         with torch.no_grad():
