@@ -138,7 +138,9 @@ class ConformanceSession:
             for ws in self.world_sizes:
                 dev = self.placement[ws][0]
                 if (impl.name, dev) not in self.expect:
-                    self.expect[(impl.name, dev)] = expectations.load(impl.name, dev, exp_dir)
+                    self.expect[(impl.name, dev)] = expectations.load(
+                        getattr(impl, "expectations_name", impl.name), dev, exp_dir
+                    )
         self.meta: dict[str, CaseMeta] = {}
         self.records: dict[str, dict] = {}
         self.spawns: dict[int, int] = {}
@@ -273,11 +275,15 @@ class CheckFile(pytest.File):
                         item.meta = meta
                         session.meta[item.nodeid] = meta
                         entry = session.expect[(impl.name, device)].match(meta.case_id)
+                        item.expectation = entry
                         if entry is not None:
                             entry.matched += 1
                             item.add_marker(
                                 pytest.mark.xfail(
-                                    reason=f"{entry.reason} [{entry.source}]", strict=True, run=True
+                                    reason=f"{entry.reason} [{entry.source}; {entry.signature()}]",
+                                    strict=True,
+                                    run=True,
+                                    raises=ExpectedFailure,
                                 )
                             )
                         yield item
@@ -287,8 +293,13 @@ class CheckFailure(Exception):
     """A check failed on at least one rank; ``str()`` is the per-rank report."""
 
 
+class ExpectedFailure(CheckFailure):
+    """A listed case failed the way its expectations entry says (the only xfail-able exception)."""
+
+
 class CheckItem(pytest.Item):
     meta: CaseMeta
+    expectation: expectations.Entry | None = None
     rank_results: list = ()
 
     def _missing_capabilities(self) -> list[str]:
@@ -316,7 +327,7 @@ class CheckItem(pytest.Item):
             session.close_group()
         failed = [r for r in results if r.status not in (protocol.OK, protocol.NOT_SUPPORTED)]
         if failed:
-            raise CheckFailure(_format_failure(results))
+            raise _failure(self.expectation, results)
         unsupported = [r for r in results if r.status == protocol.NOT_SUPPORTED]
         if unsupported:
             pytest.skip(f"NotSupported: {impl.name} does not support {unsupported[0].detail}")
@@ -328,6 +339,20 @@ class CheckItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, None, f"{self.meta.case_id} on {self.meta.impl_name}"
+
+
+def _failure(entry, results) -> CheckFailure:
+    """ExpectedFailure when ``entry`` lists the case and its signature fits, else CheckFailure."""
+    text = _format_failure(results)
+    if entry is None:
+        return CheckFailure(text)
+    why_not = entry.mismatch(expectations.failures(results))
+    if why_not is None:
+        return ExpectedFailure(text)
+    return CheckFailure(
+        f"listed in {entry.source} as {entry.prefix} {entry.signature()}, but failed "
+        f"differently: {why_not}\n{text}"
+    )
 
 
 def _format_failure(results) -> str:

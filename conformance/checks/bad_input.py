@@ -1,11 +1,9 @@
 """Area "bad_input": ``fully_shard`` rejects bad input at once, on every rank, with upstream's error
-type and meaning, and leaves the module as it was (P3, P12, P13).
+type and meaning (P3, P12, P13).
 
-[Note: left as it was]
-After a rejected call every submodule keeps its class (no FSDP subclass swapped in) and every
-parameter is the same object with the same values; where the module itself was fine (a bad
-argument), a correct ``fully_shard`` call on it afterwards succeeds and shards it as usual.
-Messages are matched on upstream's key words (a regex), not byte for byte.
+Messages are matched on upstream's key words (a regex), not byte for byte. This area checks the
+contract only; what the module looks like after the rejection (this project's stricter rule, X1,
+X2) is the ``strict`` area's, which runs these same checks with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -59,9 +57,10 @@ def assert_unchanged(ctx, model, snap, what):
                 f"{ctx.where()} after the rejected {what}: parameter {name} changed value")
 
 
-def expect_rejected(ctx, model, call, exc_type, pattern, what):
-    """``call()`` raises ``exc_type`` matching ``pattern`` and leaves ``model`` as it was."""
-    snap = snapshot(model)
+def expect_rejected(ctx, model, call, exc_type, pattern, what, strict=False):
+    """``call()`` raises ``exc_type`` matching ``pattern``; with ``strict``, ``model`` is left as
+    it was (X1)."""
+    snap = snapshot(model) if strict else None
     try:
         call()
     except exc_type as exc:
@@ -75,41 +74,32 @@ def expect_rejected(ctx, model, call, exc_type, pattern, what):
     else:
         raise AssertionError(f"{ctx.where()} {what}: no error, expected {exc_type.__name__} "
                              f"matching {pattern!r}")
-    assert_unchanged(ctx, model, snap, what)
-
-
-def shard_again_works(ctx, model):
-    """A correct fully_shard on the module afterwards shards it (Shard(0) DTensors, right rows)."""
-    from torch.distributed.tensor import DTensor
-
-    originals = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
-    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
-    for name, param in model.named_parameters():
-        assert isinstance(param, DTensor), (
-            f"{ctx.where()} {name}: a valid fully_shard after the rejected one did not shard it")
-        assert torch.equal(param.full_tensor().detach().cpu(), originals[name]), (
-            f"{ctx.where()} {name}: values differ after the valid fully_shard")
+    if strict:
+        assert_unchanged(ctx, model, snap, what)
 
 
 API = {base.FSDP2_API}
 
 
 @check(area="bad_input", requires=API)
-def scalar_parameter(ctx):
-    """A 0-dim parameter: ValueError 'fully_shard doesn't support scalar parameters. Change <name>
-    to a 1D tensor with numel equal to 1.'; module unchanged."""
+def scalar_parameter(ctx, strict=False):
+    """A 0-dim parameter is rejected with ValueError 'fully_shard doesn't support scalar parameters.
+    Change <name> to a 1D tensor with numel equal to 1.' (P12)."""
     model = Two(torch.tensor(2.5)).to(ctx.device)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh), ValueError,
-                    r"scalar parameter.*extra.*1D tensor", "fully_shard with a scalar parameter")
+                    r"scalar parameter.*extra.*1D tensor", "fully_shard with a scalar parameter",
+                    strict)
 
 
-@check(area="bad_input", requires=API,
-       cases={"transposed": {"kind": "t"}, "channels-last": {"kind": "cl"},
-              "transposed-only": {"kind": "only"}})
-def noncontiguous_parameter(ctx, kind):
-    """A non-contiguous parameter (a transposed view, a channels_last conv weight; after a good
-    parameter, or as the only one): NotImplementedError 'FSDP does not support non-contiguous
-    parameters yet'; module unchanged."""
+NONCONTIGUOUS_CASES = {"transposed": {"kind": "t"}, "channels-last": {"kind": "cl"},
+                       "transposed-only": {"kind": "only"}}
+
+
+@check(area="bad_input", requires=API, cases=NONCONTIGUOUS_CASES)
+def noncontiguous_parameter(ctx, kind, strict=False):
+    """A non-contiguous parameter is rejected with NotImplementedError 'FSDP does not support
+    non-contiguous parameters yet' (P12): a transposed view or a channels_last conv weight, after a
+    good parameter or as the only one."""
     if kind == "only":
         model = nn.Module()
         model.extra = nn.Parameter(distinct_values((6, 4), 1).t().to(ctx.device))
@@ -123,27 +113,26 @@ def noncontiguous_parameter(ctx, kind):
     assert not dict(model.named_parameters())["extra" if kind == "t" else "conv.weight"].is_contiguous()
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh),
                     NotImplementedError, r"non-contiguous param",
-                    "fully_shard with a non-contiguous parameter")
+                    "fully_shard with a non-contiguous parameter", strict)
 
 
 @check(area="bad_input", requires=API)
-def mesh_3d(ctx):
-    """A 3-D mesh: ValueError 'fully_shard expects a 1D or 2D DeviceMesh'; module unchanged and a
-    valid call afterwards works."""
+def mesh_3d(ctx, strict=False):
+    """A 3-D mesh is rejected with ValueError 'fully_shard expects a 1D or 2D DeviceMesh' (P12)."""
     mesh = ctx.make_mesh((ctx.world_size, 1, 1), ("a", "b", "c"))
     model = Two().to(ctx.device)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=mesh), ValueError,
-                    r"1D or 2D (Device)?Mesh", "fully_shard on a 3-D mesh")
+                    r"1D or 2D (Device)?Mesh", "fully_shard on a 3-D mesh", strict)
 
 
 @check(area="bad_input", requires=API | {base.HSDP})
-def mesh_2d_without_names(ctx):
-    """A 2-D mesh without mesh_dim_names: AssertionError asking for mesh_dim_names (HSDP needs
-    them); module unchanged and a valid call afterwards works."""
+def mesh_2d_without_names(ctx, strict=False):
+    """A 2-D mesh without mesh_dim_names is rejected with an AssertionError asking for
+    mesh_dim_names, which HSDP needs (P12, P16)."""
     mesh = ctx.make_mesh((1, ctx.world_size))
     model = Two().to(ctx.device)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=mesh), AssertionError,
-                    r"mesh_dim_names", "fully_shard on an unnamed 2-D mesh")
+                    r"mesh_dim_names", "fully_shard on an unnamed 2-D mesh", strict)
 
 
 RAF_BAD = {
@@ -156,28 +145,31 @@ RAF_BAD = {
 }
 
 
-@check(area="bad_input", requires=API | {base.RESHARD_AFTER_FORWARD},
-       cases={k: {"name": k} for k in RAF_BAD})
-def invalid_reshard_after_forward(ctx, name):
-    """An int reshard_after_forward that is not a factor of the shard-mesh size (0, ws+1, negative)
-    -> ValueError '... should be a factor of <ws>, not <v>'; a non-bool/int -> ValueError
-    'reshard_after_forward should be a bool or an int ...'; module unchanged, valid call works."""
+RAF_CASES = {k: {"name": k} for k in RAF_BAD}
+
+
+@check(area="bad_input", requires=API | {base.RESHARD_AFTER_FORWARD}, cases=RAF_CASES)
+def invalid_reshard_after_forward(ctx, name, strict=False):
+    """A bad reshard_after_forward is rejected with ValueError (P3): an int that is not a factor of
+    the shard-mesh size (0, ws+1, negative) '... should be a factor of <ws>, not <v>', anything but
+    a bool or an int 'reshard_after_forward should be a bool or an int ...'."""
     spec = RAF_BAD[name]
     value = spec["value"](ctx.world_size)
     pattern = spec["pattern"].format(ws=ctx.world_size, v=value)
     model = Two().to(ctx.device)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
         model, mesh=ctx.mesh, reshard_after_forward=value), spec["exc"], pattern,
-        f"fully_shard(reshard_after_forward={value!r})")
+        f"fully_shard(reshard_after_forward={value!r})", strict)
 
 
 @check(area="bad_input", requires=API | {base.RESHARD_AFTER_FORWARD}, world_sizes=(4,))
-def invalid_reshard_after_forward_non_factor(ctx):
-    """reshard_after_forward=3 at world size 4 -> ValueError '... a factor of 4, not 3'."""
+def invalid_reshard_after_forward_non_factor(ctx, strict=False):
+    """reshard_after_forward=3 at world size 4 is rejected with ValueError '... a factor of 4, not
+    3' (P3)."""
     model = Two().to(ctx.device)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
         model, mesh=ctx.mesh, reshard_after_forward=3), ValueError, r"factor of 4, not 3",
-        "fully_shard(reshard_after_forward=3)")
+        "fully_shard(reshard_after_forward=3)", strict)
 
 
 PLACEMENT_BAD = {
@@ -200,50 +192,34 @@ def placement_case(ctx, name):
     return model, lambda p: Shard(1) if p.shape == (5, ctx.world_size + 1) else Shard(0)
 
 
-@check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN},
-       cases={k: {"name": k} for k in PLACEMENT_BAD if k != "uneven-dim1"})
-@check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN},
-       cases={"uneven-dim1": {"name": "uneven-dim1"}}, min_world_size=2)
-def invalid_shard_placement(ctx, name):
-    """shard_placement_fn returning Replicate() -> ValueError 'Invalid shard_placement_fn result';
-    Shard(1) for a 1-D parameter -> AssertionError 'Shard dim 1 is invalid for 1D tensor'; Shard(1)
-    on a dim not divisible by the world size (ws > 1) -> NotImplementedError 'FSDP does not support
-    uneven sharding on dim 1'; module unchanged."""
+PLACEMENT_CASES = {k: {"name": k} for k in PLACEMENT_BAD if k != "uneven-dim1"}
+UNEVEN_PLACEMENT_CASES = {"uneven-dim1": {"name": "uneven-dim1"}}  # needs ws > 1
+
+
+@check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN}, cases=PLACEMENT_CASES)
+@check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN}, cases=UNEVEN_PLACEMENT_CASES,
+       min_world_size=2)
+def invalid_shard_placement(ctx, name, strict=False):
+    """An invalid shard_placement_fn result is rejected (P13): Replicate() with ValueError 'Invalid
+    shard_placement_fn result', Shard(1) for a 1-D parameter with AssertionError 'Shard dim 1 is
+    invalid for 1D tensor', Shard(1) on a dim not divisible by the world size (ws > 1) with
+    NotImplementedError 'FSDP does not support uneven sharding on dim 1'."""
     spec = PLACEMENT_BAD[name]
     model, fn = placement_case(ctx, name)
     expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
         model, mesh=ctx.mesh, shard_placement_fn=fn), spec["exc"], spec["pattern"],
-        f"fully_shard with shard_placement_fn ({name})")
+        f"fully_shard with shard_placement_fn ({name})", strict)
 
 
 @check(area="bad_input", requires=API)
-def forward_on_meta_params(ctx):
-    """Forward through a module sharded on the meta device without materializing it: RuntimeError
+def forward_on_meta_params(ctx, strict=False):
+    """A forward through a module sharded on the meta device, not materialized, raises RuntimeError
     'FSDP parameters should be materialized from meta device before training, but the following
-    were still on meta device: [<fqns>]'; the parameters stay as they were."""
+    were still on meta device: [<fqns>]' (P10)."""
     with torch.device("meta"):
         model = Two()
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
     x = torch.ones(2, 3, device=ctx.device)
     expect_rejected(ctx, model, lambda: model(x), RuntimeError,
-                    r"materialized from meta device.*lin\.weight", "forward on meta parameters")
-
-
-RETRY_CASES = {
-    "after-3d-mesh": {"bad": lambda ctx: {"mesh": ctx.make_mesh((ctx.world_size, 1, 1), ("a", "b", "c"))}},
-    "after-bad-reshard": {"bad": lambda ctx: {"mesh": ctx.mesh, "reshard_after_forward": "yes"}},
-}
-
-
-@check(area="bad_input", requires=API, cases={k: {"name": k} for k in RETRY_CASES})
-def valid_call_after_rejection(ctx, name):
-    """After ``fully_shard`` rejected a bad argument, the (untouched) module can still be sharded by a
-    correct call, which shards it as usual."""
-    model = Two().to(ctx.device)
-    try:
-        ctx.impl.ns.fully_shard(model, **RETRY_CASES[name]["bad"](ctx))
-    except (ValueError, AssertionError, NotImplementedError):
-        pass
-    else:
-        raise AssertionError(f"{ctx.where()} the bad call ({name}) was accepted")
-    shard_again_works(ctx, model)
+                    r"materialized from meta device.*lin\.weight", "forward on meta parameters",
+                    strict)

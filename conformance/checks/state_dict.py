@@ -22,6 +22,7 @@ rules (P8, P9) are the ``fsdp2_state_dict`` area's.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -420,11 +421,17 @@ BAD_INPUT_CASES = {
 }
 
 
+# what the error must name: the offending key, or the tensor type the kind expects
+BAD_INPUT_NAMES = {"wrong_shape": r"outer\.weight", "missing_key": r"inner\.bias",
+                   "plain_tensors": r"ShardedTensor|DTensor"}
+
+
 @check(area=AREA, cases=BAD_INPUT_CASES)
-def bad_input(ctx, kind, bad):
-    """A wrong shape, a missing key under strict, or the wrong tensor type for the kind (plain
-    tensors for SHARDED / LOCAL / DTensor, P8) raises on every rank, and the module's parameters
-    and buffers stay byte for byte what they were (a failed load changes nothing)."""
+def bad_input(ctx, kind, bad, strict=False):
+    """A load of a dict with a wrong shape, a missing key under strict, or the wrong tensor type
+    for the kind (plain tensors for SHARDED / LOCAL / DTensor) raises on every rank, naming the
+    offending key or the expected tensor type (S2, S5, S7, P8). With ``strict`` (as the strict
+    area runs it) the module's parameters and buffers also stay byte for byte what they were."""
     require_kind(ctx, kind)
     if bad == "plain_tensors" and is_full_kind(ctx, kind):
         raise NotSupported(f"at world size 1 {kind} is FULL (NO_SHARD, S8)")
@@ -435,20 +442,27 @@ def bad_input(ctx, kind, bad):
         {"wrong_shape": _bad_wrong_shape, "missing_key": _bad_missing_key,
          "plain_tensors": _bad_plain_tensors}[bad](ctx, sd, kind)
     dst = build(ctx, salt=1)
-    before = full_params(ctx, dst)
-    buffers_before = {n: b.detach().cpu().clone() for n, b in dst.named_buffers()}
+    if strict:
+        before = full_params(ctx, dst)
+        buffers_before = {n: b.detach().cpu().clone() for n, b in dst.named_buffers()}
     try:
         ctx.impl.load_state_dict(dst, sd, kind, strict=True)
-    except Exception:  # noqa: BLE001 - any error is the expected outcome
-        raised = True
+    except Exception as exc:  # noqa: BLE001 - any error type; the message is checked below
+        error = f"{type(exc).__name__}: {exc}"
     else:
-        raised = False
-    flags = [None] * ctx.world_size
+        error = None
+    errors = [None] * ctx.world_size
     if ctx.world_size > 1:
-        torch.distributed.all_gather_object(flags, raised)
+        torch.distributed.all_gather_object(errors, error)
     else:
-        flags = [raised]
-    assert all(flags), f"{ctx.where()} loading a {kind} dict with {bad}: raised on ranks {flags} (expected all)"
+        errors = [error]
+    raised = [e is not None for e in errors]
+    assert all(raised), f"{ctx.where()} loading a {kind} dict with {bad}: raised on ranks {raised} (expected all)"
+    assert re.search(BAD_INPUT_NAMES[bad], error), (
+        f"{ctx.where()} loading a {kind} dict with {bad}: the error {error[:300]!r} does not name "
+        f"{BAD_INPUT_NAMES[bad]!r}")
+    if not strict:
+        return
     after = full_params(ctx, dst)
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     changed += sorted(n for n, b in dst.named_buffers() if not torch.equal(b.detach().cpu(), buffers_before[n]))

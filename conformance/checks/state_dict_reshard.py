@@ -193,8 +193,8 @@ def _save_main(argv: list[str]) -> None:
 @check(area=AREA, cases={f"from-ws{w}": {"w1": w} for w in (1, 2, 3, 4)}, timeout=_JOB_TIMEOUT + 60)
 def reshard_dcp(ctx, w1):
     """A sharded checkpoint written with ``torch.distributed.checkpoint.save`` by this
-    implementation at world size W1 loads (``dcp.load`` into this world size's sharded dict, then
-    ``load_state_dict``) at every world size W2, giving the unwrapped model's values."""
+    implementation at world size ``w1`` loads (``dcp.load`` into this world size's sharded dict,
+    then ``load_state_dict``) at every world size, giving the unwrapped model's values."""
     import torch.distributed.checkpoint as dcp
 
     kind = sharded_kind(ctx.impl)
