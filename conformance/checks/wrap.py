@@ -272,7 +272,7 @@ def _mp(ns, enabled: bool):
        timeout=180)
 def plan_matches_expected(ctx, case):
     """build_wrap_plan lists exactly the expected units in build order, each with the kwargs and
-    managed parameters the rules give, and leaves the model untouched."""
+    managed parameters the rules give, and leaves the model untouched (W1-W5, W9)."""
     build = _plan_builder(ctx)
     c, ns = ZOO[case], ctx.impl.ns
     model = _seeded_model(ctx, c.model)
@@ -397,7 +397,7 @@ def fsdp1_auto_wrap_units(ctx, case):
     """FullyShardedDataParallel(model, auto_wrap_policy=...) builds exactly the expected FSDP
     modules; each flattens exactly its managed parameters and carries the expected mixed
     precision, sharding strategy (NO_SHARD at world size 1), backward prefetch and the root's
-    forward_prefetch."""
+    forward_prefetch (W1-W5, W9)."""
     c, ns = ZOO[case], ctx.impl.ns
     model = _seeded_model(ctx, c.model)
     ignored_modules, ignored_params, ignored = _ignored(model, c)
