@@ -93,9 +93,12 @@ def problems(text: str, covered: dict[str, list[str]]) -> list[str]:
     cited = set(covered)
     for bid in sorted(cited - set(defined), key=_order):
         out.append(f"{bid} is cited by {', '.join(covered[bid])} but SPEC.md does not define it")
-    for bid in sorted(set(defined) - cited, key=_order):
-        if _NO_CHECK not in defined[bid]:
+    for bid in sorted(defined, key=_order):
+        if bid not in cited and _NO_CHECK not in defined[bid]:
             out.append(f"{bid} has no check and SPEC.md gives no reason ('{_NO_CHECK} <why>')")
+        elif bid in cited and _NO_CHECK in defined[bid]:
+            out.append(f"{bid} is checked by {', '.join(covered[bid])} but SPEC.md still says "
+                       f"'{_NO_CHECK}': remove the reason")
     if BEGIN not in text or END not in text:
         out.append(f"SPEC.md lacks the generated section markers {BEGIN!r} ... {END!r}")
     elif text[text.index(BEGIN):text.index(END) + len(END)] != render(defined, covered):

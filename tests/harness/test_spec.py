@@ -24,6 +24,8 @@ def test_each_kind_of_disagreement_is_reported():
     assert any(f.startswith("P9 is cited by states::b") for f in found), found
     assert any(f.startswith("P3 has no check") for f in found), found
     assert not any(f.startswith(("P1 ", "P2 ")) for f in found), found
+    found = spec.problems(text, {"P1": ["layout::a"], "P2": ["states::c"]})
+    assert any(f.startswith("P2 is checked by states::c but SPEC.md still says") for f in found)
     assert any("stale" in f for f in found), found
     text = text.replace("- **P3** nobody checks it\n", "")
     fresh = text.replace(f"{spec.BEGIN}\nold table\n{spec.END}",
