@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -24,3 +25,20 @@ class ParamBag(nn.Module):
 
     def forward(self, x):
         return x
+
+
+def expect_error(ctx, what, exc_type, pattern, *steps):
+    """Run ``steps`` in order; the first to raise must raise ``exc_type`` matching ``pattern``."""
+    try:
+        for step in steps:
+            step()
+    except exc_type as exc:
+        assert re.search(pattern, str(exc)), (
+            f"{ctx.where()} {what}: {exc_type.__name__} message {str(exc)[:300]!r} does not say "
+            f"{pattern!r}")
+        return
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"{ctx.where()} {what}: raised {type(exc).__name__}: {str(exc)[:300]}, "
+                             f"expected {exc_type.__name__} matching {pattern!r}") from exc
+    raise AssertionError(f"{ctx.where()} {what}: accepted; expected {exc_type.__name__} matching "
+                         f"{pattern!r}")

@@ -114,3 +114,34 @@ class Single5(Pair5):
         (a, _b), metadata = super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
                                                         mp_policy)
         return (a,), {**metadata, "single": True}
+
+
+# -- broken extensions: the error contracts (P14) ----------------------------------------------
+class _NoPostHook:
+    """Mixin hiding the inherited post hook (``hasattr`` is False), so only the pre hook exists."""
+
+    @property
+    def fsdp_post_all_gather(self):
+        raise AttributeError("fsdp_post_all_gather")
+
+
+class PreOnly(_NoPostHook, Pair1):
+    """Defines ``fsdp_pre_all_gather`` but not ``fsdp_post_all_gather``."""
+
+
+class PostOnly(PairTensor):
+    """Defines ``fsdp_post_all_gather`` but not ``fsdp_pre_all_gather``."""
+
+
+class Pre2(PairTensor):
+    """A pre hook of 2 arguments: neither the 1- nor the 5-argument form."""
+
+    def fsdp_pre_all_gather(self, mesh, module):
+        return (self.a, self.b), {"rows": None}
+
+
+class Pre4(PairTensor):
+    """A pre hook of 4 arguments (the 5-argument form without ``mp_policy``)."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module):
+        return (self.a, self.b), {"rows": None}

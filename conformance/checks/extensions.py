@@ -24,8 +24,8 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks import _subclasses
-from conformance.checks._models import distinct_values
-from conformance.checks._rows import chunk_range
+from conformance.checks._models import distinct_values, expect_error
+from conformance.checks._rows import chunk_of, chunk_range
 from conformance.checks._subclasses import Pair1, Pair5, Single5
 from conformance.registry import check
 
@@ -113,3 +113,71 @@ def all_gather_through_hooks(ctx, name):
     for i, out in enumerate(outs):
         assert torch.allclose(out, expected_out, rtol=1e-6, atol=1e-7), (
             f"{ctx.where()} {name}: forward {i} output differs from the unsharded model's")
+
+
+@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API, base.TRAINING},
+       cases={"pre5-uneven-raf-true": {"cls": Pair5, "raf": True},
+              "pre5-uneven-raf-false": {"cls": Pair5, "raf": False},
+              "pre5-uneven-one-input": {"cls": Single5, "raf": True}})
+def train_step_through_hooks(ctx, cls, raf):
+    """Training through an all-gather-extension parameter matches the unsharded model: each step's
+    loss, the sharded gradient (the oracle's mean-gradient chunk, a plain-tensor DTensor) and, after
+    3 SGD steps, the values the pre hook hands to the all-gather (the shard's ``a``) (P14, P6)."""
+    ws, rank = ctx.world_size, ctx.rank
+    rows = _rows(ctx, uneven=True)
+    module = PairLinear(rows, cls).to(ctx.device)
+    oracle = (distinct_values((rows, 3), 0) / 100.0).to(ctx.device).requires_grad_(True)
+    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=raf)
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    oopt = torch.optim.SGD([oracle], lr=0.5)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        x = torch.randn(2 * ws, 3, generator=g).to(ctx.device)
+        y = torch.randn(2 * ws, rows, generator=g).to(ctx.device)
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = F.mse_loss(module(x[mine]), y[mine])
+        oloss = ((x @ oracle.T - y) ** 2).mean(dim=1)
+        assert torch.allclose(loss.detach().cpu(), oloss[mine].mean().detach().cpu(), rtol=1e-5,
+                              atol=1e-6), (
+            f"{ctx.where()} step {step}: loss {loss.item():.6g}, oracle {oloss[mine].mean().item():.6g}")
+        loss.backward()
+        oloss.mean().backward()
+        grad = module.weight.grad
+        assert grad is not None, f"{ctx.where()} step {step}: no sharded gradient after backward"
+        expected = chunk_of(oracle.grad, 0, ws, rank)
+        local = grad.to_local()
+        local = local.a if isinstance(local, _subclasses.PairTensor) else local
+        assert local.shape == expected.shape and torch.allclose(
+            local.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-6), (
+            f"{ctx.where()} step {step}: sharded gradient {tuple(local.shape)} differs from the "
+            f"oracle's chunk {tuple(expected.shape)}")
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    shard = module.weight.to_local()
+    values = shard.a if isinstance(shard, _subclasses.PairTensor) else shard
+    assert torch.allclose(values.detach().cpu(), chunk_of(oracle, 0, ws, rank).detach().cpu(),
+                          rtol=1e-4, atol=1e-5), (
+        f"{ctx.where()} after 3 steps: the shard's values differ from the oracle's rows")
+
+
+BROKEN = {  # class, error pattern (both AssertionError upstream)
+    "pre-only": (_subclasses.PreOnly, r"Both fsdp_pre_all_gather and fsdp_post_all_gather"),
+    "post-only": (_subclasses.PostOnly, r"Both fsdp_pre_all_gather and fsdp_post_all_gather"),
+    "pre-2-args": (_subclasses.Pre2, r"Invalid fsdp_pre_all_gather"),
+    "pre-4-args": (_subclasses.Pre4, r"Invalid fsdp_pre_all_gather"),
+}
+
+
+@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API},
+       cases={k: {"name": k} for k in BROKEN})
+def extension_error_contracts(ctx, name):
+    """A shard defining only one of ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` raises
+    AssertionError 'Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined ...'; a pre
+    hook taking neither 1 nor 5 arguments raises AssertionError 'Invalid fsdp_pre_all_gather ...';
+    either at ``fully_shard`` or at the first forward, on every rank (P14)."""
+    cls, pattern = BROKEN[name]
+    module = PairLinear(2 * ctx.world_size, cls).to(ctx.device)
+    x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
+    expect_error(ctx, name, AssertionError, pattern,
+                 lambda: ctx.impl.ns.fully_shard(module, mesh=ctx.mesh), lambda: module(x))

@@ -23,35 +23,17 @@ implementation under test.
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
+from conformance.checks._models import distinct_values, expect_error
 from conformance.checks._rows import chunk_of
 from conformance.registry import check
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def expect_error(ctx, what, exc_type, pattern, *steps):
-    """Run ``steps`` in order; the first to raise must raise ``exc_type`` matching ``pattern``."""
-    try:
-        for step in steps:
-            step()
-    except exc_type as exc:
-        assert re.search(pattern, str(exc)), (
-            f"{ctx.where()} {what}: {exc_type.__name__} message {str(exc)[:300]!r} does not say "
-            f"{pattern!r}")
-        return
-    except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"{ctx.where()} {what}: raised {type(exc).__name__}: {str(exc)[:300]}, "
-                             f"expected {exc_type.__name__} matching {pattern!r}") from exc
-    raise AssertionError(f"{ctx.where()} {what}: accepted; expected {exc_type.__name__} matching "
-                         f"{pattern!r}")
 
 
 class Chain(nn.Module):
