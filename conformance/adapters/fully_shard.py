@@ -20,7 +20,8 @@ class FullyShardAdapter(NamespaceImplementation):
     capabilities: ClassVar[frozenset[str]] = frozenset({
         base.PER_PARAM_DIM0, base.PADDED_STORAGE, base.DTENSOR_PARAMS, base.SHARD_PLACEMENT_FN,
         base.RESHARD_AFTER_FORWARD, base.MIXED_PRECISION, base.CPU_OFFLOAD, base.HSDP,
-        base.EXTENSIONS, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING, base.FSDP2_API,
+        base.EXTENSIONS, base.TENSOR_PARALLEL, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
+        base.FSDP2_API,
     })
     known_options: ClassVar[frozenset[str]] = frozenset(
         {"reshard_after_forward", "mixed_precision", "cpu_offload", "shard_placement_fn", "mesh"}

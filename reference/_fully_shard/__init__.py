@@ -6,8 +6,8 @@ hooks), ``_fsdp_collectives`` (all-gather, reduce-scatter), ``_fsdp_param_group`
 parameters), ``_fsdp_state`` (hooks, root, lazy init), ``_fsdp_init`` (argument checks),
 ``_fully_shard`` (the API).
 
-Left out, deliberately: DTensor (tensor-parallel) parameters and per-parameter meshes (both
-rejected with ``NotImplementedError``); CUDA streams, prefetching and other overlap machinery;
+Left out, deliberately: per-parameter meshes and 2-D (EP + TP) parameter meshes (both rejected
+with ``NotImplementedError``); CUDA streams, prefetching and other overlap machinery;
 ``torch.compile`` support; and the ``FSDPModule`` methods that only tune those or HSDP
 accumulation (``set_requires_all_reduce``, ``set_is_last_backward``, ``set_modules_to_*_prefetch``,
 ``set_post_optim_event``, ``set_unshard_in_backward``, custom all-gather / reduce-scatter).

@@ -6,6 +6,17 @@ shard of each parameter (placement ``(Shard(0),)``). A 2-D mesh ``(replicate, sh
 parameters are sharded over the last dim and replicated over the first (placement
 ``(Replicate(), Shard(0))``); gradients are reduce-scattered over the shard group and then
 all-reduced over the replicate group.
+
+[Note: tensor parallel]
+With tensor parallelism (P15) a parameter arrives as a ``DTensor`` on a 1-D TP mesh (e.g. from
+``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``) and ``fully_shard`` gets the
+data-parallel mesh. FSDP shards the TP-*local* tensor along dim 0 over dp exactly as it shards a
+plain tensor; the sharded parameter is a ``DTensor`` on the (dp, tp) mesh with placements (FSDP
+placement, TP placement), the FSDP one a ``_StridedShard(0, split_factor=k)`` when TP already cut
+dim 0 into ``k`` pieces (dp then splits each TP piece, not the whole dim), and ``full_tensor()`` is
+the original. The unsharded parameter is re-wrapped as a ``DTensor`` on the TP mesh for compute,
+its gradient redistributed to the TP placements and its local tensor reduce-scattered over dp.
+Resharding after forward onto a smaller mesh is refused for such parameters, as upstream does.
 """
 
 from __future__ import annotations

@@ -129,9 +129,16 @@ def _get_managed_states(
 
 
 def _move_states_to_device(tensors: list[torch.Tensor], device: torch.device) -> None:
-    """Move managed parameters and buffers to the mesh's device (meta tensors stay on meta)."""
+    """Move managed parameters and buffers to the mesh's device (meta tensors stay on meta).
+    A ``DTensor`` already lives on its own mesh's device, which must be of the FSDP mesh's type."""
     for tensor in tensors:
-        if tensor.device != device and tensor.device.type != "meta":
+        if isinstance(tensor, DTensor):
+            if (mesh_type := tensor.device_mesh.device_type) != device.type:
+                raise ValueError(
+                    "Requires DTensor to have mesh of the same type as the FSDP mesh "
+                    f"but got {mesh_type} for DTensor and {device.type} for FSDP"
+                )
+        elif tensor.device != device and tensor.device.type != "meta":
             tensor.data = tensor.to(device)
 
 
@@ -139,8 +146,9 @@ def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPM
     """Validate ``param`` and return its FSDP placement (spec P12, P13).
 
     ``shard_placement_fn(param)`` may return ``None`` (dim 0) or ``Shard(d)`` (negative ``d``
-    counts from the end). The parameter must be contiguous and not a DTensor; ``d`` must exist;
-    a dim other than 0 must divide evenly by the shard-mesh size.
+    counts from the end). The parameter must be contiguous; ``d`` must exist; a dim other than 0
+    must divide evenly by the shard-mesh size. For a tensor-parallel ``DTensor`` all of this
+    applies to its local (TP-sharded) tensor, which is what FSDP shards (P15).
     """
     placement = placement_fn(param) if callable(placement_fn) else None
     if placement is None:
@@ -152,22 +160,18 @@ def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPM
                 "(ShardPlacementResult); return a Shard placement or None instead"
             )
         raise ValueError(f"Invalid shard_placement_fn result: {placement}")
-    if not param.is_contiguous():
+    data = param._local_tensor if isinstance(param, DTensor) else param
+    if not data.is_contiguous():
         raise NotImplementedError(
-            f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}"
+            f"FSDP does not support non-contiguous parameters yet: {data.shape=} {data.stride()=}"
         )
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            "The reference fully_shard does not support DTensor (tensor-parallel) "
-            "parameters; apply it to modules whose parameters are plain tensors"
-        )
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.ndim:
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}")
+    dim = placement.dim + data.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < data.ndim:
+        raise AssertionError(f"Shard dim {dim} is invalid for {data.ndim}D tensor: {param.shape}")
     ws = mesh_info.shard_mesh_size
-    if dim > 0 and param.size(dim) % ws != 0:
+    if dim > 0 and data.size(dim) % ws != 0:
         raise NotImplementedError(
             f"FSDP does not support uneven sharding on dim {dim}: "
-            f"{param.size()} (world size: {ws})"
+            f"{data.size()} (world size: {ws})"
         )
     return Shard(dim)

@@ -34,13 +34,15 @@ empty chunk of a rank with no rows), ``detach`` to wrap it; everything else goes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_common import (
@@ -95,7 +97,8 @@ class FSDPParam:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     fsdp_placement: Shard  # Shard(d) with d >= 0
-    _orig_size: torch.Size  # ND, the original parameter's global size
+    _tp_spec: DTensorSpec | None  # a tensor-parallel parameter's spec on the TP mesh
+    _orig_size: torch.Size  # ND, the original parameter's global size (TP: its local size)
     sharded_size: torch.Size  # ND, this rank's chunk (0 along the shard dim if empty)
     contiguous_sharded_stride: tuple[int, ...]
     padded_sharded_param_size: torch.Size  # ND, chunk 0's size
@@ -137,19 +140,18 @@ class FSDPParam:
         dim = self.fsdp_placement.dim
         ws, rank = self.mesh_info.shard_mesh_size, self.mesh_info.shard_mesh_rank
         self._orig_param_uid = _get_orig_param_uid(param)
-        self._orig_size = param.size()
+        self._tp_spec = param._spec if isinstance(param, DTensor) else None
+        data = param._local_tensor if isinstance(param, DTensor) else param  # what FSDP shards
+        self._orig_size = data.size()
         self._contiguous_orig_stride = contiguous_strides(self._orig_size)
-        is_hsdp = isinstance(self.mesh_info, HSDPMeshInfo)
-        placements = (Replicate(), self.fsdp_placement) if is_hsdp else (self.fsdp_placement,)
-        meta = TensorMeta(param.size(), param.stride(), param.dtype)
-        self._sharding_spec = DTensorSpec(self.mesh_info.mesh, placements, tensor_meta=meta)
+        self._sharding_spec = self._init_sharding_spec(param)
         # The torch.chunk rule (see _shard_math): ceil(size / ws) per rank, the tail short or empty.
-        self.sharded_size = torch.Size(sharded_size(param.shape, ws, rank, dim))
+        self.sharded_size = torch.Size(sharded_size(data.shape, ws, rank, dim))
         self.contiguous_sharded_stride = contiguous_strides(self.sharded_size)
-        self.padded_sharded_param_size = torch.Size(padded_sharded_size(param.shape, ws, dim))
+        self.padded_sharded_param_size = torch.Size(padded_sharded_size(data.shape, ws, dim))
         length = self.sharded_size[dim]
-        start = shard_offset(param.shape, ws, rank, dim) if length else 0
-        padded = _padded_copy(param.narrow(dim, start, length), self.padded_sharded_param_size, dim)
+        start = shard_offset(data.shape, ws, rank, dim) if length else 0
+        padded = _padded_copy(data.narrow(dim, start, length), self.padded_sharded_param_size, dim)
         if self.offload_to_cpu and not padded.is_meta:
             padded = padded.cpu()
             if self.pin_memory:
@@ -158,6 +160,25 @@ class FSDPParam:
         local = padded.narrow(dim, 0, length)  # contiguous: dims other than 0 divide evenly
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), param.requires_grad)
         self.sharded_state = ShardedState.SHARDED
+
+    def _init_sharding_spec(self, param: nn.Parameter) -> DTensorSpec:
+        """The sharded parameter's spec (see [Note: meshes]): ``(Shard(d),)`` on the FSDP mesh,
+        after ``Replicate()`` for HSDP; a TP ``DTensor``'s TP placements follow on the concatenated
+        (dp, tp) mesh, and its FSDP placement is ``_StridedShard(d, split_factor=<TP shards on
+        d>)`` when TP already shards dim ``d``. The global size and stride stay the original's."""
+        dp_placements = (Replicate(),) if isinstance(self.mesh_info, HSDPMeshInfo) else ()
+        if self._tp_spec is None:
+            meta = TensorMeta(param.size(), param.stride(), param.dtype)
+            placements = (*dp_placements, self.fsdp_placement)
+            return DTensorSpec(self.mesh_info.mesh, placements, tensor_meta=meta)
+        tp, dim = self._tp_spec, self.fsdp_placement.dim
+        if tp.mesh.ndim != 1:
+            raise NotImplementedError(f"FSDP supports 1-D tensor parallelism, not {tp.placements}")
+        split_factor = tp.num_shards_map[dim]
+        fsdp = _StridedShard(dim, split_factor=split_factor) if split_factor > 1 else Shard(dim)
+        mesh = DeviceMesh._concatenate([self.mesh_info.mesh, tp.mesh])
+        placements = (*dp_placements, fsdp, *tp.placements)
+        return DTensorSpec(mesh, placements, tensor_meta=tp.tensor_meta)
 
     def _attach_to_module(self) -> None:
         """Register the sharded parameter on its module(s) and the post-load re-pad hook."""
@@ -201,6 +222,9 @@ class FSDPParam:
         else:
             unsharded = self.all_gather_outputs[0]
         unsharded = torch.as_strided(unsharded, self._orig_size, self._contiguous_orig_stride, 0)
+        if (tp := self._tp_spec) is not None:  # compute on the TP mesh, in the all-gather's dtype
+            meta = TensorMeta(tp.tensor_meta.shape, tp.tensor_meta.stride, unsharded.dtype)
+            unsharded = DTensor(unsharded, replace(tp, tensor_meta=meta), requires_grad=False)
         self._unsharded_param = nn.Parameter(unsharded, self.sharded_param.requires_grad)
 
     # ---- state transitions --------------------------------------------------------------
@@ -219,6 +243,10 @@ class FSDPParam:
         where that piece does, and then it is a separate copy.
         """
         self._assert_in_states(ShardedState.UNSHARDED)
+        if self._tp_spec is not None:
+            raise NotImplementedError(
+                "Resharding to smaller mesh is not supported for DTensor parameters yet"
+            )
         if len(self.all_gather_outputs) != 1:
             raise NotImplementedError("Resharding to a smaller mesh needs one all-gather output")
         info, output = self.post_forward_mesh_info, self.all_gather_outputs[0]
@@ -269,6 +297,15 @@ class FSDPParam:
         if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
             self.unsharded_accumulated_grad += self.unsharded_param.grad
             self.unsharded_param.grad = None
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The tensor to reduce for an unsharded gradient: a TP parameter's ``DTensor`` gradient
+        is redistributed to the parameter's TP placements and its local tensor taken."""
+        if self._tp_spec is None:
+            return grad
+        if grad.placements != self._tp_spec.placements:
+            grad = grad.redistribute(placements=self._tp_spec.placements)
+        return grad._local_tensor
 
     def free_unsharded_param(self) -> None:
         for tensor in [*self.all_gather_outputs, *self._unsharded_inner_tensors]:

@@ -181,7 +181,7 @@ class FSDPParamGroup:
             else:
                 continue
             with_grad.append(fsdp_param)
-            grads.append(grad)
+            grads.append(fsdp_param.local_grad(grad))
         if self.reshard_after_backward:
             self.reshard()
         if with_grad:  # HSDP also all-reduces over the replicate group

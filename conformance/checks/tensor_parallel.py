@@ -1,0 +1,197 @@
+"""Area "tensor_parallel": FSDP on the dp dim of a 2-D (dp, tp) mesh over tensor-parallel DTensor
+parameters (P15), at world size 4 as a 2 x 2 mesh.
+
+[Note: the layout rule]
+``parallelize_module`` (``in_proj``: ``ColwiseParallel``, ``out_proj``: ``RowwiseParallel``) leaves
+each parameter a DTensor on the tp mesh: ``in_proj.weight``/``bias`` ``Shard(0)``,
+``out_proj.weight`` ``Shard(1)``, ``out_proj.bias`` ``Replicate()``. ``fully_shard(mesh=dp)`` then
+shards each *TP-local* tensor on dim 0 over dp, so the rank at (dp i, tp j) holds chunk i (over dp,
+dim 0) of chunk j (over tp, on the TP dim) of the original. The parameter is a DTensor on the 2-D
+mesh with placements (dp placement, tp placement): ``_StridedShard(0, split_factor=2)`` for dp
+where TP already split dim 0, else ``Shard(0)``; ``full_tensor()`` is the original.
+
+[Note: the oracle]
+Ranks of one tp group see the same samples (those of their dp index); the oracle is the plain model
+trained in one process on the whole batch, so FSDP's average over dp must give its gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._rows import chunk_of
+from conformance.checks.training import assert_close
+from conformance.registry import check
+
+DP = TP = 2
+B = 2  # samples per dp rank per step
+STEPS = 3
+TOL = dict(rtol=1e-5, atol=1e-6)
+# Hidden sizes: even keeps every dp chunk the same size; uneven leaves the last dp rank's TP-local
+# in_proj rows one short (7 rows over dp 2) and out_proj's 6 rows even.
+CASES = {"even": {"dim": 8, "hidden": 12}, "uneven": {"dim": 6, "hidden": 14}}
+
+
+class TPMLP(nn.Module):
+    """``in_proj`` (ColwiseParallel) -> relu -> ``out_proj`` (RowwiseParallel)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.in_proj = nn.Linear(dim, hidden)
+        self.out_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.out_proj(F.relu(self.in_proj(x)))
+
+
+def _placements():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {"in_proj.weight": (_StridedShard(0, split_factor=TP), Shard(0)),
+            "in_proj.bias": (_StridedShard(0, split_factor=TP), Shard(0)),
+            "out_proj.weight": (Shard(0), Shard(1)),
+            "out_proj.bias": (Shard(0), Replicate())}
+
+
+TP_DIM = {"in_proj.weight": 0, "in_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None}
+
+
+def _build(ctx, dim, hidden, seed=0):
+    """(sharded model, plain oracle with the same initial values, 2-D mesh)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = ctx.make_mesh((DP, TP), ("dp", "tp"))
+    ctx.seed(seed)
+    model = TPMLP(dim, hidden).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"],
+                       {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    ctx.impl.ns.fully_shard(model, mesh=mesh["dp"])
+    return model, oracle, mesh
+
+
+def _expected_local(ctx, name, full):
+    """This rank's piece of ``full`` by the layout rule (dp chunk of the tp chunk)."""
+    dp_rank, tp_rank = divmod(ctx.rank, TP)
+    tp_local = full if TP_DIM[name] is None else chunk_of(full, TP_DIM[name], TP, tp_rank)
+    return chunk_of(tp_local, 0, DP, dp_rank)
+
+
+def _check_values(ctx, what, params, oracle):
+    """Every DTensor in ``params`` is on the 2-D mesh with the rule's placements, holds this rank's
+    piece of the oracle's tensor and gathers to it."""
+    from torch.distributed.tensor import DTensor
+
+    for name, placements in _placements().items():
+        param, full = params[name], oracle.get_parameter(name).detach()
+        assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, (
+            f"{ctx.where()} {what} {name}: expected a DTensor on the 2-D (dp, tp) mesh, got "
+            f"{type(param).__name__} on {getattr(param, 'device_mesh', None)}")
+        assert tuple(param.placements) == placements, (
+            f"{ctx.where()} {what} {name}: placements {param.placements}, expected {placements}")
+        assert tuple(param.shape) == tuple(full.shape), (
+            f"{ctx.where()} {what} {name}: global shape {tuple(param.shape)}, expected "
+            f"{tuple(full.shape)}")
+        assert_close(ctx, f"{what} {name} local shard (dp chunk of the tp chunk)",
+                     param.to_local(), _expected_local(ctx, name, full), TOL)
+        assert_close(ctx, f"{what} {name} full_tensor()", param.full_tensor(), full, TOL)
+
+
+def _batch(ctx, step, dim):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(DP * B, dim, generator=g), torch.randn(DP * B, dim, generator=g)
+    mine = slice(ctx.rank // TP * B, (ctx.rank // TP + 1) * B)  # this rank's dp index's samples
+    return x.to(ctx.device), y.to(ctx.device), mine
+
+
+def _train(ctx, model, oracle, dim, steps=STEPS):
+    """SGD with momentum on both; compares losses and the gathered gradients every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y, mine = _batch(ctx, step, dim)
+        loss = F.mse_loss(model(x[mine]), y[mine])
+        loss.backward()
+        oloss = F.mse_loss(oracle(x), y)
+        oloss.backward()
+        assert_close(ctx, f"step {step} loss", loss,
+                     F.mse_loss(oracle(x[mine]).detach(), y[mine]), TOL)
+        for name, param in model.named_parameters():
+            assert_close(ctx, f"step {step} {name} gradient (full_tensor)",
+                         param.grad.full_tensor(), oracle.get_parameter(name).grad, TOL)
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+
+
+@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.FSDP2_API},
+       world_sizes=(4,), cases=CASES)
+def layout(ctx, dim, hidden):
+    """On a 2x2 (dp, tp) mesh each parameter is a DTensor on the 2-D mesh with placements (dp, tp)
+    (``_StridedShard`` on a TP-sharded dim 0), its local shard is the dp chunk of the TP-local
+    tensor, and ``full_tensor()`` equals the original (P15)."""
+    model, oracle, _ = _build(ctx, dim, hidden)
+    _check_values(ctx, "after fully_shard", dict(model.named_parameters()), oracle)
+
+
+@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
+       world_sizes=(4,), cases=CASES)
+def train_parity(ctx, dim, hidden):
+    """FSDP over TP trains like the plain model on the whole batch: equal losses, gathered
+    gradients (the dp average) and parameters after several SGD steps, layout unchanged (P15)."""
+    model, oracle, _ = _build(ctx, dim, hidden)
+    _train(ctx, model, oracle, dim)
+    _check_values(ctx, f"after {STEPS} steps", dict(model.named_parameters()), oracle)
+
+
+@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
+       world_sizes=(4,), cases=CASES)
+def state_dict_round_trip(ctx, dim, hidden):
+    """``state_dict()`` of a trained FSDP+TP model holds DTensors on the 2-D mesh with the layout
+    rule's placements and values; loading it into a fresh FSDP+TP model reproduces the values and
+    the forward (P15, P8)."""
+    model, oracle, _ = _build(ctx, dim, hidden)
+    _train(ctx, model, oracle, dim, steps=1)
+    state_dict = model.state_dict()
+    _check_values(ctx, "state dict", state_dict, oracle)
+    fresh, _, _ = _build(ctx, dim, hidden, seed=1)
+    fresh.load_state_dict(state_dict)
+    _check_values(ctx, "after load_state_dict", dict(fresh.named_parameters()), oracle)
+    x, _, mine = _batch(ctx, STEPS, dim)
+    with torch.no_grad():
+        assert_close(ctx, "forward of the loaded model", fresh(x[mine]), oracle(x[mine]), TOL)
+
+
+@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.RESHARD_AFTER_FORWARD,
+                                          base.FSDP2_API}, world_sizes=(4,))
+def no_smaller_mesh_reshard(ctx):
+    """Resharding DTensor (TP) parameters after forward onto a smaller dp group is refused with
+    ``NotImplementedError`` (P3); with dp = 2 an int ``reshard_after_forward`` can only be 1 or 2,
+    so the check reshards onto 2 of 4 ranks of a (dp=4, tp=1) mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = ctx.make_mesh((4, 1), ("dp", "tp"))
+    ctx.seed(0)
+    model = TPMLP(8, 8).to(ctx.device)
+    parallelize_module(model, mesh["tp"], {"in_proj": ColwiseParallel()})
+    ctx.impl.ns.fully_shard(model.in_proj, mesh=mesh["dp"], reshard_after_forward=2)
+    ctx.impl.ns.fully_shard(model, mesh=mesh["dp"])
+    x = torch.randn(2, 8).to(ctx.device)
+    try:
+        model(x)
+    except NotImplementedError as e:
+        assert "Resharding to smaller mesh is not supported for DTensor parameters" in str(e), (
+            f"{ctx.where()} NotImplementedError with an unexpected message: {e}")
+        return
+    raise AssertionError(f"{ctx.where()} forward with reshard_after_forward=2 over TP parameters "
+                         "ran; expected NotImplementedError (resharding to a smaller mesh)")
