@@ -31,8 +31,6 @@ def _check_dirs(argv: list[str]) -> list[str]:
 
 
 def run_suite(argv: list[str]) -> int:
-    from conformance import plugin
-
     # an explicit target: a node id or an existing check file (option values such as
     # "--reports-dir DIR" are never mistaken for one)
     explicit = [a for a in argv if "::" in a or (a.endswith(".py") and Path(a).is_file())]
@@ -40,7 +38,10 @@ def run_suite(argv: list[str]) -> int:
     # "-rfE": pytest's short summary lists only failures and errors, so that the matrix stays at
     # the end of the output; skips and expected failures are in the matrix and the reports (a
     # "-r" of the user's own, later on the line, wins).
-    return plugin.exit_status(pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv]))
+    code = pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv])
+    from conformance import plugin  # after pytest.main, which imports it (assertion rewriting)
+
+    return plugin.exit_status(code)
 
 
 def main(argv: list[str] | None = None) -> int:

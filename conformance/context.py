@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,6 +24,12 @@ class CheckContext:
     backend: str
     impl: Implementation | None
     params: dict = field(default_factory=dict)
+    deadline: float | None = None  # time.monotonic() when the driver gives up on this check
+
+    def time_left(self) -> float:
+        """Seconds until the check's deadline (``inf`` without one): a check that starts its own
+        subprocess bounds it with this, keeping a margin for reporting."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     @cached_property
     def mesh(self):

@@ -9,25 +9,32 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import signal
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conformance import devices, expectations, reporting
+from conformance import devices, expectations, options, reporting
 from conformance.adapters.registry import (
+    ENV_VAR,
     ImplementationLoadError,
     default_specs,
     load_implementation,
-    split_specs,
 )
 from conformance.registry import CHECKS, CheckSpec, case_id
 from conformance.runner import protocol
 from conformance.runner.protocol import Task
 
 CHECKS_DIR = Path(__file__).parent / "checks"
+TORCHRUN = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+# Under torchrun a hung rank's stack goes to the real stderr, kept here before pytest's capture
+# (which starts after plugins given with -p are imported) takes fd 2 over.
+_TERMINAL_FD = os.dup(2) if TORCHRUN else 2
 
 
 def pytest_addoption(parser):
@@ -51,18 +58,17 @@ def pytest_addoption(parser):
     g.addoption("--backend", default=None, help="process-group backend (default: the device's)")
     g.addoption(
         "--check-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a check may run before its stacks are dumped and it fails (default 60)",
+        default=options.DEFAULT_CHECK_TIMEOUT,
+        help="seconds a check may run before its stacks are dumped and it fails (default 60); a "
+        "check that declares a longer budget gets that multiple of it",
     )
     g.addoption(
         "--grace",
-        type=float,
         default=5.0,
         help="seconds other ranks get to finish after one rank fails (default 5)",
     )
     g.addoption(
-        "--threads-per-rank", type=int, default=1, help="torch threads per rank (default 1)"
+        "--threads-per-rank", default=1, help="torch threads per rank (default 1)"
     )
     g.addoption(
         "--reports-dir", default="reports", help="where the report files go (default reports/)"
@@ -103,35 +109,68 @@ class CaseMeta:
     device: str
     backend: str
     nodeid: str = ""
-    check_dirs: tuple[str, ...] = ()  # extra --check-dir options needed to collect it again
+    rerun: reporting.Rerun = reporting.Rerun()  # what else its repro command must carry
 
 
 class ConformanceSession:
     """Per-run state: implementations, worker groups, case metadata, results."""
 
     def __init__(self, config):
+        """Validate every option and load every implementation; raises :class:`UsageError`."""
         self.config = config
         opt = config.option
         self.started = time.time()
-        self.torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-        specs = split_specs(opt.impl) if opt.impl else default_specs()
+        self.torchrun = TORCHRUN
+        self.is_reporter = not self.torchrun or int(os.environ.get("RANK", "0")) == 0
+        self.options = options.validate(
+            opt,
+            config.rootpath,
+            torchrun=self.torchrun,
+            writes_reports=self.is_reporter and not opt.collectonly,
+        )
+        # validated values replace the strings for every later reader of config.option
+        opt.check_timeout, opt.grace = self.options.check_timeout, self.options.grace
+        opt.threads_per_rank = self.options.threads_per_rank
         self.impls = {}
-        for spec in specs:
-            self.impls[spec] = load_implementation(spec)  # raises ImplementationLoadError
+        for spec in self.options.impl_specs or default_specs():
+            try:
+                self.impls[spec] = load_implementation(spec)
+            except ImplementationLoadError as exc:
+                raise options.UsageError(
+                    "--impl" if self.options.impl_specs else f"${ENV_VAR}",
+                    str(exc),
+                    "fix the adapter or choose another implementation",
+                ) from None
         names = [i.name for i in self.impls.values()]
         if len(set(names)) != len(names):
-            raise ImplementationLoadError(f"two selected implementations share a name: {names}")
+            raise options.UsageError(
+                "--impl", f"two selected implementations share a name: {names}", "select one of them"
+            )
         if self.torchrun:
             self.world_sizes = [int(os.environ["WORLD_SIZE"])]
-        elif opt.world_sizes:
-            self.world_sizes = sorted({int(w) for w in opt.world_sizes.split(",") if w.strip()})
         else:
-            self.world_sizes = devices.default_world_sizes(opt.device)
-        if not self.world_sizes or min(self.world_sizes) < 1:
-            raise ImplementationLoadError(f"invalid --world-sizes {opt.world_sizes!r}")
+            self.world_sizes = self.options.world_sizes or devices.default_world_sizes(self.options.device)
         self.placement = {
-            ws: devices.choose(ws, opt.device, opt.backend) for ws in self.world_sizes
+            ws: devices.choose(ws, self.options.device, self.options.backend)
+            for ws in self.world_sizes
         }
+        try:
+            self._load_expectations()
+        except ValueError as exc:  # ExpectationsError, or a file that is not text
+            raise options.UsageError(
+                "--expectations-dir", str(exc).splitlines()[0], "fix or remove that file"
+            ) from None
+        self.meta: dict[str, CaseMeta] = {}
+        self.records: dict[str, dict] = {}
+        self.spawns: dict[int, int] = {}
+        if self.options.reports_dir is not None:  # last: nothing is created for a bad run
+            options.writable_dir("--reports-dir", self.options.reports_dir)
+        self.run_dir: Path | None = None  # this run's reports (see reporting.start_run)
+        self.rerun = reporting.rerun_options(opt, self.options)
+        self._group = None
+
+    def _load_expectations(self) -> None:
+        opt = self.config.option
         self.expect = {}
         exp_dir = Path(opt.expectations_dir)
         for impl in self.impls.values():
@@ -141,11 +180,6 @@ class ConformanceSession:
                     self.expect[(impl.name, dev)] = expectations.load(
                         getattr(impl, "expectations_name", impl.name), dev, exp_dir
                     )
-        self.meta: dict[str, CaseMeta] = {}
-        self.records: dict[str, dict] = {}
-        self.spawns: dict[int, int] = {}
-        self._group = None
-        self.is_reporter = not self.torchrun or int(os.environ.get("RANK", "0")) == 0
 
     # ---------------------------------------------------------------- groups
     def group(self, world_size: int):
@@ -157,7 +191,9 @@ class ConformanceSession:
             if self.torchrun:
                 from conformance.runner.inprocess import InProcessGroup
 
-                self._group = InProcessGroup(device, backend)
+                self._group = InProcessGroup(
+                    device, backend, grace=opt.grace, terminal_fd=_TERMINAL_FD
+                )
             else:
                 from conformance.runner.pool import WorkerGroup
 
@@ -214,25 +250,88 @@ def _session(config) -> ConformanceSession:
     return config.stash[_SESSION_KEY]
 
 
+# [Note: exit codes] of ``python -m conformance`` (see README, "Exit codes and signals")
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+_outcome: dict[str, int] = {}  # "usage_error" / "signal" of the last run in this process
+
+
+def exit_status(pytest_code: int) -> int:
+    """The command's exit code for pytest's ``pytest_code`` (see [Note: exit codes])."""
+    if _outcome.get("usage_error"):
+        return EXIT_USAGE
+    if pytest_code == pytest.ExitCode.INTERRUPTED:
+        return 128 + _outcome.get("signal", signal.SIGINT)
+    if pytest_code == pytest.ExitCode.USAGE_ERROR:  # pytest's own options
+        return EXIT_USAGE
+    return int(pytest_code)
+
+
 @pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
+def pytest_cmdline_main(config):
+    """Validate the options and load the implementations before anything runs: a bad one ends
+    the run here with one line on stderr and exit code 2 (no traceback, no report)."""
+    _outcome.clear()
+    if config.option.help or config.option.version:
+        return None
     try:
         session = ConformanceSession(config)
-    except (ImplementationLoadError, expectations.ExpectationsError) as exc:
-        pytest.exit(f"fsdp conformance: {exc}", returncode=2)
+    except options.UsageError as exc:
+        _outcome["usage_error"] = 1
+        sys.stderr.write(f"fsdp conformance: {exc}\n")
+        return EXIT_USAGE
+    except Exception:  # a bug of the harness: say so, with the traceback
+        sys.stderr.write(f"fsdp conformance: internal error\n{traceback.format_exc()}")
+        return EXIT_INTERNAL
     config.stash[_SESSION_KEY] = session
-    reports_dir = Path(config.option.reports_dir)
-    if session.is_reporter and not getattr(config.option, "xmlpath", None):
-        reports_dir.mkdir(parents=True, exist_ok=True)
-        config.option.xmlpath = str(reports_dir / "conformance.xml")
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if _SESSION_KEY not in config.stash:  # --help / --version
+        return
+    session = _session(config)
     if not session.is_reporter:  # under torchrun only rank 0 reports; the others print nothing
         config.option.xmlpath = None
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - read by the terminal reporter, made next
+        return
+    warning = options.oversubscription_warning(session.world_sizes, session.placement)
+    if warning:
+        sys.stderr.write(warning + "\n")
+    if session.options.reports_dir is not None:  # not --collect-only
+        session.run_dir, others = reporting.start_run(session.options.reports_dir)
+        if others:
+            sys.stderr.write(
+                f"fsdp conformance: NOTE another run (pid {', '.join(map(str, others))}) is writing "
+                f"into {session.options.reports_dir} too: this run's reports are in "
+                f"{session.run_dir}; the top-level files will be whichever run ends last\n"
+            )
+        if not getattr(config.option, "xmlpath", None):
+            config.option.xmlpath = str(session.run_dir / "conformance.xml")
+    if not session.torchrun and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    """SIGTERM ends the run like Ctrl-C: workers are killed, the reports are written."""
+    _outcome["signal"] = signum
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+def pytest_keyboard_interrupt(excinfo):
+    _outcome.setdefault("signal", signal.SIGINT)
+    from conformance.runner.pool import kill_all_groups
+
+    kill_all_groups()  # at once: the workers may be stuck in a check
 
 
 def pytest_unconfigure(config):
     if _SESSION_KEY in config.stash:
-        _session(config).close_group()
+        session = _session(config)
+        session.close_group()
+        if session.run_dir is not None:
+            reporting.publish_run(session.run_dir, session.options.reports_dir)
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -270,7 +369,7 @@ class CheckFile(pytest.File):
                             device,
                             backend,
                             item.nodeid,
-                            tuple(self.config.option.check_dir),
+                            session.rerun,
                         )
                         item.meta = meta
                         session.meta[item.nodeid] = meta
@@ -317,20 +416,24 @@ class CheckItem(pytest.Item):
         missing = self._missing_capabilities()
         if missing:
             pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
-        timeout = meta.spec.timeout or self.config.option.check_timeout
+        timeout, timeout_text = check_budget(meta.spec, self.config.option.check_timeout)
         group = session.group(meta.world_size)
         results = group.run(
-            Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout)
+            Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout, timeout_text)
         )
         self.rank_results = results
         if self.config.option.respawn_every_check:
             session.close_group()
-        failed = [r for r in results if r.status not in (protocol.OK, protocol.NOT_SUPPORTED)]
+        passed = (protocol.OK, protocol.NOT_SUPPORTED, protocol.SKIPPED)
+        failed = [r for r in results if r.status not in passed]
         if failed:
             raise _failure(self.expectation, results)
         unsupported = [r for r in results if r.status == protocol.NOT_SUPPORTED]
         if unsupported:
             pytest.skip(f"NotSupported: {impl.name} does not support {unsupported[0].detail}")
+        skipped = [r for r in results if r.status == protocol.SKIPPED]
+        if skipped:
+            pytest.skip(f"skipped: {skipped[0].detail}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, CheckFailure):
@@ -353,6 +456,16 @@ def _failure(entry, results) -> CheckFailure:
         f"listed in {entry.source} as {entry.prefix} {entry.signature()}, but failed "
         f"differently: {why_not}\n{text}"
     )
+
+
+def check_budget(spec: CheckSpec, check_timeout: float) -> tuple[float, str]:
+    """Seconds ``spec`` may run under ``--check-timeout`` and how that came about: a check's own
+    ``timeout=`` is its budget at the default check-timeout, so it scales with the option."""
+    factor = (spec.timeout or options.DEFAULT_CHECK_TIMEOUT) / options.DEFAULT_CHECK_TIMEOUT
+    seconds = factor * check_timeout
+    if factor == 1:
+        return seconds, f"{seconds:g} s (--check-timeout)"
+    return seconds, f"{seconds:g} s ({factor:g} x --check-timeout {check_timeout:g})"
 
 
 def _format_failure(results) -> str:
@@ -440,4 +553,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall = time.time() - session.started
     stale = session.stale_entries()
     reporting.terminal_summary(terminalreporter, session, wall, stale)
-    reporting.write_files(session, wall, stale, Path(config.option.reports_dir))
+    if session.run_dir is not None:
+        reporting.write_files(session, wall, stale, session.run_dir)

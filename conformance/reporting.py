@@ -14,24 +14,67 @@ skip           skipped for another reason (e.g. pytest's own skip)
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 OUTCOMES = ("pass", "fail", "xfail", "not-supported", "skip")
 _SHORT = {"pass": "p", "fail": "F", "xfail": "x", "not-supported": "n", "skip": "s"}
 
 
-def repro_command(meta) -> str:
-    nodeid = meta.nodeid
-    extra = "".join(f" --check-dir {shlex.quote(d)}" for d in meta.check_dirs)
-    return (
-        f"nox -s conformance -- --impl {shlex.quote(meta.impl_spec)} "
-        f"--world-sizes {meta.world_size}{extra} {shlex.quote(nodeid)}"
+MESSAGE_LIMIT = 20000  # characters of a case's message kept in the reports
+RUNS_KEPT = 20  # per-run report directories kept under <reports>/runs/
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """What a case's repro command carries besides its implementation, world size and device:
+    environment assignments and options of the run that change outcomes."""
+
+    env: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+
+
+def rerun_options(opt, validated) -> Rerun:
+    """The :class:`Rerun` of this run: every non-default option that can change an outcome."""
+    from conformance import expectations, options
+
+    args: list[str] = []
+    if validated.expectations_dir.resolve() != expectations.DEFAULT_DIR.resolve():
+        args += ["--expectations-dir", str(opt.expectations_dir)]
+    for flag, value, default in (
+        ("--check-timeout", validated.check_timeout, options.DEFAULT_CHECK_TIMEOUT),
+        ("--grace", validated.grace, 5.0),
+        ("--threads-per-rank", validated.threads_per_rank, 1),
+    ):
+        if value != default:
+            args += [flag, f"{value:g}"]
+    for directory in opt.check_dir:
+        args += ["--check-dir", directory]
+    if opt.respawn_every_check:
+        args.append("--respawn-every-check")
+    env = tuple(
+        f"{var}={shlex.quote(os.environ[var])}"
+        for var in ("FSDP_CONFORMANCE_TORCH", "FSDP_CONFORMANCE_EXTRA_PIP")
+        if os.environ.get(var)
     )
+    return Rerun(env, tuple(args))
+
+
+def repro_command(meta) -> str:
+    """One line that reruns just this case the way it ran."""
+    env = "".join(f"{assignment} " for assignment in meta.rerun.env)
+    args = [
+        "--impl", meta.impl_spec, "--world-sizes", str(meta.world_size),
+        "--device", meta.device, "--backend", meta.backend, *meta.rerun.options, meta.nodeid,
+    ]  # fmt: skip
+    return f"{env}nox -s conformance -- " + " ".join(shlex.quote(a) for a in args)
 
 
 def _message(report, outcome: str) -> str:
@@ -40,9 +83,18 @@ def _message(report, outcome: str) -> str:
     if report.skipped and isinstance(report.longrepr, tuple):
         return report.longrepr[2].removeprefix("Skipped: ")
     if report.failed:
-        text = str(report.longrepr)
-        return text if len(text) < 20000 else text[:20000] + "\n... (truncated)"
+        return shorten(str(report.longrepr))
     return ""
+
+
+def shorten(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its start and, above all, its end (the
+    cause of an error is at the end of a traceback)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 10
+    dropped = len(text) - limit
+    return f"{text[:head]}\n... ({dropped} characters cut) ...\n{text[len(text) - (limit - head):]}"
 
 
 def case_record(report, meta, outcome: str) -> dict:
@@ -65,7 +117,7 @@ def case_record(report, meta, outcome: str) -> dict:
                 "rank": r["rank"],
                 "status": r["status"],
                 "duration_s": round(r["duration"], 4),
-                "detail": r["detail"],
+                "detail": shorten(r["detail"]),
             }
             for r in getattr(report, "rank_results", [])
         ],
@@ -142,7 +194,9 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
     if session.torchrun:
         spawns = "none (torchrun: checks ran in-process)"
     tr.write_line(f"wall time {wall:.1f} s; process groups spawned: {spawns or 'none'}")
-    tr.write_line(f"reports: {session.config.option.reports_dir}/conformance.{{json,md,xml}}")
+    if session.run_dir is not None:
+        reports = session.options.reports_dir
+        tr.write_line(f"reports: {reports}/conformance.{{json,md,xml}} (this run: {session.run_dir})")
 
 
 def _environment(session, wall: float) -> dict:
@@ -182,7 +236,7 @@ def _command_line() -> str:
 
 
 def write_files(session, wall: float, stale, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    """``conformance.json`` and ``conformance.md`` of this run into ``directory`` (atomically)."""
     records = list(session.records.values())
     env = _environment(session, wall)
     summary = Counter(r["outcome"] for r in records)
@@ -192,8 +246,50 @@ def write_files(session, wall: float, stale, directory: Path) -> None:
         "stale_expectations": [{"prefix": e.prefix, "source": e.source} for e in stale],
         "cases": records,
     }
-    (directory / "conformance.json").write_text(json.dumps(doc, indent=1))
-    (directory / "conformance.md").write_text(markdown(env, records, stale))
+    write_atomic(directory / "conformance.json", json.dumps(doc, indent=1))
+    write_atomic(directory / "conformance.md", markdown(env, records, stale))
+
+
+# [Note: report files]
+# Each run writes into its own directory, <reports>/runs/<UTC time>-<pid>/ (created at start, with a
+# ".running" file naming the driver's pid), and at its end copies its files to <reports>/ itself:
+# the top-level conformance.{json,md,xml} are always the latest finished run's, and a run never
+# overwrites another run's files. Every file is written to a temporary name and renamed into place,
+# so a reader never sees half a file. A run that starts while another one is writing into the same
+# directory says so. The newest RUNS_KEPT run directories are kept.
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def start_run(reports_dir: Path) -> tuple[Path, list[int]]:
+    """Create this run's directory; return it and the pids of other runs still writing here."""
+    runs = reports_dir / "runs"
+    others = []
+    for marker in runs.glob("*/.running"):
+        try:
+            pid = int(marker.read_text())
+            os.kill(pid, 0)
+            others.append(pid)
+        except (OSError, ValueError):
+            continue
+    run_dir = runs / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ".running").write_text(str(os.getpid()))
+    return run_dir, others
+
+
+def publish_run(run_dir: Path, reports_dir: Path) -> None:
+    """Copy the run's report files to ``reports_dir`` (atomically) and prune old run directories."""
+    for path in sorted(run_dir.glob("conformance.*")):
+        write_atomic(reports_dir / path.name, path.read_text())
+    (run_dir / ".running").unlink(missing_ok=True)
+    finished = sorted(d for d in run_dir.parent.iterdir() if not (d / ".running").exists())
+    for old in finished[:-RUNS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def markdown(env: dict, records: list[dict], stale) -> str:

@@ -107,19 +107,32 @@ def load_implementation(spec: str) -> Implementation:
         raise
     except Exception as exc:  # noqa: BLE001 - the message carries the cause
         raise ImplementationLoadError(
-            f"could not load implementation {spec!r}: {type(exc).__name__}: {exc}\n"
-            + "".join(traceback.format_exception(exc)[-6:])
+            f"could not load implementation {spec!r}: {_cause(exc)}"
         ) from exc
     _validate(spec, obj)
     return obj
 
 
+def _cause(exc: BaseException) -> str:
+    """``Type: message (at file:line)`` of ``exc``, one line, naming where it was raised."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}{where}"
+
+
 def _validate(spec: str, impl) -> None:
     problems = []
     for attr in ("name", "capabilities", "version"):
-        if not hasattr(impl, attr):
+        if not hasattr(type(impl), attr) and attr not in getattr(impl, "__dict__", {}):
             problems.append(f"missing attribute {attr!r}")
     if not problems:
+        try:
+            version = impl.version
+            if not isinstance(version, str):
+                problems.append(f"version is {type(version).__name__}, not a string")
+        except Exception as exc:  # noqa: BLE001 - an adapter's bug is a load error, not a crash
+            problems.append(f"reading its version raised {_cause(exc)}")
         unknown = set(impl.capabilities) - ALL_CAPABILITIES
         if unknown:
             problems.append(

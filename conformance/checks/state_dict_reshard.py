@@ -9,15 +9,19 @@ LOCAL, each rank's flat pieces with ``torch.save``) into a directory. Rank 0 bro
 directory's path before it starts the job; the other ranks wait for the directory (or an error
 file) to appear, outside any collective, and then ``dcp.load`` it into a fresh model at W2. The checkpoint content depends only on (implementation, W1), so it is written
 once per run and reused by every world size: it lives under
-``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (the workers' parent process), and directories of
-drivers that have exited are removed when a new run writes its first checkpoint. This works for
+``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (the workers' parent process); the driver removes
+it at exit, and a driver killed outright leaves it to the next run, which removes it. The job's
+processes die with the rank that started them, and when they overrun the check's budget their
+stacks are reported (see ``_produce``). This works for
 every (W1, W2) pair, on one node (the ranks must share the file system).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,20 +70,17 @@ def _impl_spec(ctx) -> str:
 
 
 def _cache_root() -> Path:
-    root = Path(tempfile.gettempdir())
-    for old in root.glob(_PREFIX + "*"):
-        try:
-            os.kill(int(old.name[len(_PREFIX):]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(old, ignore_errors=True)
-        except (ValueError, PermissionError):
-            pass
-    return root / f"{_PREFIX}{os.getppid()}"
+    from conformance.runner import lifeline
+
+    lifeline.remove_stale_dirs()
+    return Path(tempfile.gettempdir()) / f"{_PREFIX}{os.getppid()}"
 
 
 def _produce(ctx, spec: str, w1: int, directory: Path, deadline: float) -> None:
-    """Run a W1-rank job that writes ``Net(0)``'s sharded (and local) state dict to ``directory``,
-    killing it at ``deadline`` (a ``time.monotonic()`` value)."""
+    """Run a W1-rank job that writes ``Net(0)``'s sharded (and local) state dict to ``directory``;
+    at ``deadline`` (a ``time.monotonic()`` value) its ranks' stacks are taken and it is killed.
+    Its processes die with this one (``lifeline.command``)."""
+    from conformance.runner import lifeline
     from conformance.runner.pool import free_port
 
     tmp = directory.with_name(directory.name + ".tmp")
@@ -90,26 +91,32 @@ def _produce(ctx, spec: str, w1: int, directory: Path, deadline: float) -> None:
         env.pop(var, None)
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "conformance.checks.state_dict_reshard", str(tmp), spec, str(w1),
-         str(rank), str(port), ctx.device.type, ctx.backend],
+        lifeline.command([sys.executable, "-m", "conformance.checks.state_dict_reshard", str(tmp),
+                          spec, str(w1), str(rank), str(port), ctx.device.type, ctx.backend]),
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(w1)]
-    outputs = []
+    outputs, hung = [], False
     for proc in procs:
         try:
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            hung = True
+            for p in procs:  # every live rank writes its stacks to its output (faulthandler)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             for p in procs:
                 p.kill()
             out, _ = proc.communicate()
-        outputs.append((proc.returncode, out.decode(errors="replace")[-3000:]))
+        outputs.append((proc.returncode, out.decode(errors="replace")[-6000:]))
     # A rank that wrote its marker finished its part (the barrier after the writes passed); a
     # non-zero exit after that is process teardown (seen once: gloo's threads aborting the
     # interpreter at exit under load) and does not spoil the checkpoint.
     failed = [(r, code, out) for r, (code, out) in enumerate(outputs)
               if code != 0 and not (tmp / f"rank{r}.done").exists()]
     if failed:
-        r, code, out = failed[0]
-        raise RuntimeError(f"the world-size-{w1} save job failed on rank {r} (exit {code}):\n{out}")
+        why = "did not finish in time and was killed; its ranks' stacks" if hung else "failed"
+        raise RuntimeError(f"the world-size-{w1} save job {why}:\n" + "\n".join(
+            f"--- rank {r} (exit {code}):\n{out}" for r, code, out in failed))
     tmp.rename(directory)
 
 
@@ -128,9 +135,11 @@ def checkpoint_dir(ctx, w1: int) -> Path:
         error_file.unlink(missing_ok=True)
     directory = Path(broadcast_from_rank0(ctx, str(directory)))
     error_file = directory.with_name(directory.name + ".error")
+    # The job gets the check's time less a margin for reporting its failure (stacks included).
+    job_time = min(_JOB_TIMEOUT, 0.85 * ctx.time_left() - 5)
     if ctx.rank == 0 and not directory.exists():
         # One retry, within the same time budget: a job that crashed leaves only its log.
-        deadline = time.monotonic() + _JOB_TIMEOUT
+        deadline = time.monotonic() + job_time
         for attempt in (1, 2):
             try:
                 _produce(ctx, spec, w1, directory, deadline)
@@ -139,7 +148,7 @@ def checkpoint_dir(ctx, w1: int) -> Path:
                 if attempt == 2 or time.monotonic() > deadline - 30:
                     error_file.write_text(f"{type(exc).__name__}: {exc}")
                     break
-    deadline = time.monotonic() + _JOB_TIMEOUT + 20
+    deadline = time.monotonic() + job_time + 2
     while not directory.exists() and not error_file.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     ctx.barrier()
@@ -153,6 +162,7 @@ def _save_main(argv: list[str]) -> None:
     """Entry point of one rank of the save job (see the module docstring)."""
     directory, spec, ws, rank, port, device, backend = argv
     ws, rank = int(ws), int(rank)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's way to see a hang
     torch.set_num_threads(1)
     import torch.distributed.checkpoint as dcp
 

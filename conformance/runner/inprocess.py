@@ -3,8 +3,10 @@
 Every rank runs the same pytest session, collects the same cases in the same order and runs each
 check in-process; the ranks' results are exchanged with ``all_gather_object`` so that every rank
 knows the case's outcome, and rank 0 writes the reports. There is no driver above the ranks here,
-so a hung check cannot be recovered: a watchdog dumps this rank's stacks to stderr and ends the
-process after the check's timeout, and torchrun then tears the job down.
+so a hung check cannot be recovered: a watchdog dumps this rank's stacks to the terminal and ends
+the process ``grace`` seconds after the check's timeout, and torchrun then tears the job down. The
+stacks go to the stderr the process started with (``terminal_fd``, a duplicate the plugin takes at
+import, before pytest's output capture replaces fd 2), so no capture mode can swallow them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from conformance.runner.protocol import RankResult, Task
 
 
 class InProcessGroup:
-    def __init__(self, device: str, backend: str):
+    def __init__(self, device: str, backend: str, *, grace: float = 5.0, terminal_fd: int = 2):
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.device = torch.device(device)
@@ -35,12 +37,16 @@ class InProcessGroup:
         # results travel on a CPU group so that any device backend works
         self._objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         self.spawn_count = 0
+        self.grace = grace
+        self.terminal_fd = terminal_fd
 
     def start(self) -> None:
         pass  # the process group was joined in __init__
 
     def run(self, task: Task) -> list[RankResult]:
-        faulthandler.dump_traceback_later(task.timeout + 30, exit=True)
+        faulthandler.dump_traceback_later(
+            task.timeout + self.grace, exit=True, file=self.terminal_fd
+        )
         try:
             mine = execute(task, self.rank, self.world_size, self.device, self.backend)
         finally:

@@ -2,24 +2,29 @@
 
 [Note: fault handling]
 A check runs on every rank. The driver waits for all ranks' results with the check's timeout.
-* all ranks answer                     -> their results, the group is kept;
+* all ranks answer                     -> their results;
 * a rank raises, others still running  -> the others get ``grace`` seconds; whoever is still running
                                           then is presumed stuck in a collective with the failed rank;
 * the deadline passes                  -> every live rank's Python stack is dumped (SIGUSR1 +
                                           faulthandler) and attached to its result;
 * a rank process dies                  -> its exit code / signal is reported.
-In the last three cases the whole group is killed and is respawned lazily before the next check, so
-one bad check never poisons the next. Worker processes die with the driver (PDEATHSIG) and are
-killed on ``close()``; nothing is left behind after Ctrl-C.
+In the last three cases the whole group is killed and is respawned lazily before the next check.
+When every rank answered but not every rank finished cleanly (one raised while the others
+returned, say), the group may still hold a collective that one rank started and the others never
+joined; a bounded health probe (:func:`conformance.runner.worker.health_probe`, ``probe_timeout``
+seconds) then decides between keeping the group and restarting it. So one bad check never poisons
+the next. Worker processes (and whatever they start) die with the driver and are killed on
+``close()`` (see [Note: no orphans] in :mod:`conformance.runner.lifeline`); their temporary
+directory is removed with them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
-import tempfile
 import time
 from multiprocessing.connection import wait
 
@@ -62,6 +67,7 @@ class WorkerGroup:
         threads_per_rank: int = 1,
         grace: float = 5.0,
         start_timeout: float = 120.0,
+        probe_timeout: float = 5.0,
     ):
         self.world_size = world_size
         self.device = device
@@ -69,10 +75,12 @@ class WorkerGroup:
         self.threads_per_rank = threads_per_rank
         self.grace = grace
         self.start_timeout = start_timeout
+        self.probe_timeout = probe_timeout
         self.spawn_count = 0  # how many times the group was (re)started
+        self.probe_failures = 0  # how many health probes found the group broken
         self._procs: list = []
         self._conns: list = []
-        self._stack_dir = tempfile.mkdtemp(prefix=f"fsdp-conformance-ws{world_size}-")
+        self._stack_dir: str | None = None
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -83,8 +91,12 @@ class WorkerGroup:
         if self.alive:
             return
         self.kill()
+        from conformance.runner import lifeline
+
+        self._stack_dir = lifeline.temp_dir(f"ws{self.world_size}")
         ctx = mp.get_context("spawn")
         port = free_port()
+        _LIVE_GROUPS.add(self)
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
@@ -99,6 +111,7 @@ class WorkerGroup:
                     self._stack_path(rank),
                     self.threads_per_rank,
                     self.start_timeout,
+                    os.getpid(),
                 ),
                 name=f"fsdp-conformance-rank{rank}",
                 daemon=True,
@@ -107,7 +120,6 @@ class WorkerGroup:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        _LIVE_GROUPS.add(self)
         deadline = time.monotonic() + self.start_timeout
         for rank, conn in enumerate(self._conns):
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -142,14 +154,21 @@ class WorkerGroup:
         self.kill()
 
     def kill(self) -> None:
+        """Kill every worker with its process group (what it started goes too); remove the
+        group's temporary directory."""
+        from conformance.runner import lifeline
+
         for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
+            if proc.pid is not None:
+                lifeline.kill_tree(proc.pid)
         for proc in self._procs:
             proc.join(5)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
+            self._stack_dir = None
         _LIVE_GROUPS.discard(self)
 
     def pids(self) -> list[int]:
@@ -157,12 +176,35 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------- running
     def run(self, task: Task) -> list[RankResult]:
-        """Run ``task`` on every rank; never raises for a misbehaving check."""
+        """Run ``task`` on every rank; never raises for a misbehaving check. Afterwards the group
+        is either healthy or killed (see [Note: fault handling])."""
         self.start()
+        results, torn_down = self._collect(task, task.timeout, what=task.timeout_text)
+        statuses = {r.status for r in results}
+        if torn_down or protocol.DIED in statuses:
+            self.kill()  # respawned lazily by the next run()
+        elif statuses not in ({protocol.OK}, {protocol.NOT_SUPPORTED}) and not self.healthy():
+            self.probe_failures += 1
+            self.kill()
+        return results
+
+    def healthy(self) -> bool:
+        """Whether every rank passes the health probe within ``probe_timeout`` seconds."""
+        if not self.alive:
+            return False
+        results, torn_down = self._collect(protocol.PROBE, self.probe_timeout, stacks=False)
+        return not torn_down and all(r.ok for r in results)
+
+    def _collect(
+        self, message, timeout: float, *, what: str = "", stacks: bool = True
+    ) -> tuple[list[RankResult], bool]:
+        """Send ``message`` to every rank and gather the answers within ``timeout`` seconds;
+        returns them and whether ranks had to be given up on (stuck or timed out)."""
         for conn in self._conns:
-            conn.send(task)
+            conn.send(message)
+        sent = time.monotonic()
         results: dict[int, RankResult] = {}
-        deadline = time.monotonic() + task.timeout
+        deadline = sent + timeout
         first_error_at: float | None = None
         torn_down = False
         while len(results) < self.world_size:
@@ -180,41 +222,47 @@ class WorkerGroup:
                     try:
                         results[rank] = conn.recv()
                     except (EOFError, OSError):
-                        results[rank] = RankResult(
-                            rank, protocol.DIED, detail=_exit_reason(proc.join(2) or proc.exitcode)
-                        )
+                        results[rank] = self._died(rank, sent)
                 elif proc.sentinel in ready:
-                    proc.join(2)
-                    results[rank] = RankResult(
-                        rank, protocol.DIED, detail=_exit_reason(proc.exitcode)
-                    )
+                    results[rank] = self._died(rank, sent)
                 else:
                     continue
                 if not results[rank].ok and first_error_at is None:
                     first_error_at = time.monotonic()
             if len(results) < self.world_size and time.monotonic() >= limit:
                 stuck = [r for r in range(self.world_size) if r not in results]
-                stacks = self.dump_stacks()
+                dumped = self.dump_stacks() if stacks else {}
                 why = (
-                    f"did not finish within {task.timeout:g} s"
+                    f"did not finish within {what or f'{timeout:g} s'}"
                     if time.monotonic() >= deadline
                     else f"still running {self.grace:g} s after another rank failed"
                 )
+                elapsed = time.monotonic() - sent
                 for rank in range(self.world_size):
+                    stack = dumped.get(rank, "(not captured)")
                     if rank in stuck:
                         results[rank] = RankResult(
                             rank,
                             protocol.TIMEOUT,
-                            detail=f"rank {rank} {why}; its stack:\n{stacks[rank]}",
+                            detail=f"rank {rank} {why}; its stack:\n{stack}",
+                            duration=elapsed,
                         )
-                    else:  # finished its part: its stack shows where it waits instead
+                    elif stacks:  # finished its part: its stack shows where it waits instead
                         results[rank].detail += (
-                            f"\n(rank {rank} had returned; its stack at teardown:)\n{stacks[rank]}"
+                            f"\n(rank {rank} had returned; its stack at teardown:)\n{stack}"
                         ).lstrip("\n")
                 torn_down = True
-        if torn_down or any(r.status == protocol.DIED for r in results.values()):
-            self.kill()  # respawned lazily by the next run()
-        return [results[r] for r in range(self.world_size)]
+        return [results[r] for r in range(self.world_size)], torn_down
+
+    def _died(self, rank: int, sent: float) -> RankResult:
+        proc = self._procs[rank]
+        proc.join(2)
+        return RankResult(
+            rank,
+            protocol.DIED,
+            detail=_exit_reason(proc.exitcode),
+            duration=time.monotonic() - sent,
+        )
 
     def dump_stacks(self, settle: float = 0.5) -> dict[int, str]:
         """Every live rank's Python stacks (all threads), via SIGUSR1 -> faulthandler."""
@@ -251,6 +299,13 @@ def kill_all_groups() -> None:
         group.kill()
 
 
+def _at_exit() -> None:
+    from conformance.runner import lifeline
+
+    kill_all_groups()
+    lifeline.remove_stale_dirs(owner=os.getpid())  # e.g. the checkpoint cache of the save jobs
+
+
 import atexit  # noqa: E402
 
-atexit.register(kill_all_groups)
+atexit.register(_at_exit)

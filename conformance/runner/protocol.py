@@ -10,9 +10,12 @@ from typing import Any
 OK = "ok"  # the check body returned
 ERROR = "error"  # the check body raised (traceback in ``detail``)
 NOT_SUPPORTED = "not-supported"  # the body raised NotSupported (capability in ``detail``)
+SKIPPED = "skipped"  # the body raised registry.Skip: it cannot fail here (reason in ``detail``)
 TIMEOUT = "timeout"  # still running when the check's time ran out (stack in ``detail``)
 DIED = "died"  # the process exited (exit code / signal in ``detail``)
 ABANDONED = "abandoned"  # finished its part but the group had to be torn down around it
+
+PROBE = "probe"  # driver -> worker: run the health probe (see conformance.runner.worker)
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class Task:
     fn: str
     impl: str | None
     kwargs: dict = field(default_factory=dict)
-    timeout: float = 60.0
+    timeout: float = 60.0  # seconds
+    timeout_text: str = ""  # how the timeout came about, for messages ("30 s (3 x --check-timeout 10)")
 
 
 @dataclass

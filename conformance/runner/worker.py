@@ -1,29 +1,23 @@
 """The main loop of one rank's worker process.
 
 A worker joins the process group once, then serves tasks from its pipe until it receives ``None``.
-It ignores Ctrl-C (the driver owns shutdown), dies with its parent (``PR_SET_PDEATHSIG``), and dumps
-every thread's Python stack to its stack file when it receives ``SIGUSR1`` (the driver's way to see
-where a hung rank is).
+It ignores Ctrl-C (the driver owns shutdown), leads its own process group and dies with its parent
+(see [Note: no orphans] in :mod:`conformance.runner.lifeline`), and dumps every thread's Python
+stack to its stack file when it receives ``SIGUSR1`` (the driver's way to see where a hung rank is).
+Besides tasks it answers :data:`~conformance.runner.protocol.PROBE` with :func:`health_probe`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
+import multiprocessing
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the driver's cleanup still kills us
-        pass
+from conformance.runner import lifeline
 
 
 def worker_main(
@@ -36,8 +30,12 @@ def worker_main(
     stack_path: str,
     threads: int,
     init_timeout: float,
+    driver_pid: int | None = None,
 ) -> None:
-    _die_with_parent()
+    lifeline.die_with_parent(driver_pid)
+    lifeline.lead_process_group()
+    if multiprocessing.parent_process() is not None:
+        lifeline.watch_parent(multiprocessing.parent_process().sentinel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -45,6 +43,7 @@ def worker_main(
     import torch
     import torch.distributed as dist
 
+    from conformance.runner import protocol
     from conformance.runner.execute import execute
 
     torch.set_num_threads(threads)
@@ -78,7 +77,10 @@ def worker_main(
             task = conn.recv()
             if task is None:
                 break
-            conn.send(execute(task, rank, world_size, dev, backend))
+            if task == protocol.PROBE:
+                conn.send(health_probe(rank, world_size, dev))
+            else:
+                conn.send(execute(task, rank, world_size, dev, backend))
     except (EOFError, BrokenPipeError):  # the driver went away
         pass
     finally:
@@ -86,3 +88,27 @@ def worker_main(
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def health_probe(rank: int, world_size: int, device):
+    """A barrier and an all-reduce whose sum every rank checks. A group left with a collective
+    pending on some ranks (a rank raised after starting an async all-reduce) cannot pass: the
+    ranks' collective counts differ, so some rank's last call has no partner and hangs (the
+    driver's probe timeout then restarts the group) or the sum comes out wrong."""
+    import torch
+    import torch.distributed as dist
+
+    from conformance.runner.protocol import ERROR, OK, RankResult
+
+    start = time.perf_counter()
+    value = torch.tensor([float(rank + 1)], device=device)
+    try:
+        dist.barrier()
+        dist.all_reduce(value)
+        expected = world_size * (world_size + 1) / 2
+        if value.item() != expected:
+            raise RuntimeError(f"probe all-reduce gave {value.item()}, expected {expected}")
+        status, detail = OK, ""
+    except Exception as exc:  # noqa: BLE001 - an unhealthy group is reported, not raised
+        status, detail = ERROR, f"{type(exc).__name__}: {exc}"
+    return RankResult(rank, status, detail=detail, duration=time.perf_counter() - start)

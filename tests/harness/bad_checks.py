@@ -29,3 +29,29 @@ def rank1_exits(ctx):
     if ctx.rank == 1:
         os._exit(7)
     return "fine"
+
+
+def rank1_raises_after_async_all_reduce(ctx):
+    """Rank 1 starts an all-reduce the other ranks never join, then raises; they return."""
+    if ctx.rank == 1:
+        dist.all_reduce(torch.ones(1), async_op=True)
+        raise RuntimeError("rank 1 gives up with an all-reduce pending")
+    return "fine"
+
+
+def spawns_sleeper(ctx, path):
+    """Rank 0 starts a child process that would outlive it and writes its pid to ``path``; every
+    rank hangs."""
+    import subprocess
+    import sys
+    import time
+
+    if ctx.rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(path, "w") as f:
+            f.write(str(child.pid))
+    time.sleep(600)
+
+
+def all_ranks_raise(ctx):
+    raise AssertionError(f"{ctx.where()} fails the same way everywhere")

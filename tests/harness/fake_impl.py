@@ -14,3 +14,31 @@ class FakeImpl(Implementation):
 
 def broken():
     raise RuntimeError("this factory is broken on purpose")
+
+
+class VersionRaises(FakeImpl):
+    """An adapter whose ``version`` property raises."""
+
+    @property
+    def version(self) -> str:
+        raise RuntimeError("no version today")
+
+
+def HangingSave():
+    """The reference FSDP2, except that its state dict hangs inside the checkpoint save job (a
+    subprocess the reshard checks start), so the job's stack must reach the report."""
+    import sys
+    import time
+
+    from conformance.adapters.registry import BUILTINS
+
+    impl = BUILTINS["reference"]()
+    state_dict = impl.state_dict
+
+    def hanging_state_dict(module, kind="full", **config):
+        if sys.argv[0].endswith("state_dict_reshard.py"):
+            time.sleep(1000)
+        return state_dict(module, kind, **config)
+
+    impl.state_dict = hanging_state_dict
+    return impl

@@ -76,3 +76,50 @@ def test_rank_dying_reports_exit_code_and_group_restarts(group):
     assert results[1].status == protocol.DIED
     assert "exited with code 7" in results[1].detail
     assert all(r.ok for r in group.run(Task(f"{BAD}:ok", None, {}, timeout=30)))
+
+
+def test_rank_raising_with_a_collective_pending_does_not_poison_the_next_check(group):
+    """Rank 1 raises after starting an all-reduce the other rank never joins; the group still has
+    that collective pending. The health probe must catch it (and restart the group), so the next,
+    independent check passes within its own time instead of pairing with the leftover."""
+    failures = group.probe_failures
+    results = group.run(Task(f"{BAD}:rank1_raises_after_async_all_reduce", None, {}, timeout=30))
+    assert [r.status for r in results] == ["ok", "error"]
+    after = group.run(Task(f"{BAD}:ok", None, {}, timeout=10))
+    assert [r.status for r in after] == ["ok", "ok"], [r.detail for r in after]
+    assert [r.value for r in after] == [3.0, 3.0]
+    assert group.probe_failures == failures + 1
+
+
+def test_a_clean_failure_keeps_the_group(group):
+    """Every rank raising at the same point leaves nothing pending: the probe passes, no respawn."""
+    group.run(Task(f"{BAD}:ok", None, {}, timeout=30))
+    spawns, failures = group.spawn_count, group.probe_failures
+    results = group.run(Task(f"{BAD}:all_ranks_raise", None, {}, timeout=30))
+    assert {r.status for r in results} == {"error"}
+    assert group.spawn_count == spawns and group.probe_failures == failures
+
+
+def test_timed_out_rank_reports_its_real_duration(group):
+    results = group.run(Task(f"{BAD}:deadlock", None, {}, timeout=2.0))
+    assert results[1].status == protocol.TIMEOUT
+    assert results[1].duration >= 2.0, results[1].duration
+
+
+def test_killing_a_group_ends_what_its_workers_started_and_removes_its_temp_dir(tmp_path):
+    g = WorkerGroup(2, grace=1.0)
+    try:
+        g.start()
+        stack_dir = g._stack_dir
+        assert stack_dir and os.path.isdir(stack_dir)
+        path = tmp_path / "child.pid"
+        results = g.run(Task(f"{BAD}:spawns_sleeper", None, {"path": str(path)}, timeout=4))
+        assert {r.status for r in results} == {protocol.TIMEOUT}
+        child = int(path.read_text())
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), "a check's subprocess survived its group"
+        assert not os.path.exists(stack_dir), "the group's temporary directory was left behind"
+    finally:
+        g.close()

@@ -1,0 +1,122 @@
+"""Tying every process the harness starts to the driver's life.
+
+[Note: no orphans]
+* Each worker makes itself the leader of a new process group; the driver ends a worker by killing
+  that whole group, so whatever the worker started (a save job, a check's own subprocess) goes too.
+  Ctrl-C and SIGTERM in the driver end in that kill (the plugin turns SIGTERM into an interrupt).
+* Each worker and each save job asks the kernel for SIGKILL when its parent dies
+  (``PR_SET_PDEATHSIG``, Linux), and exits at once if the parent is already gone by the time it
+  asks (the driver may die while the child is still importing). This covers a SIGKILL of the driver.
+* A worker also runs a watchdog thread that waits for end-of-file on a pipe only the driver holds
+  (``multiprocessing``'s parent sentinel) and then kills its own process group: the fallback where
+  ``PR_SET_PDEATHSIG`` does not exist.
+* Subprocesses of checks are started through :func:`command` (``python -m
+  conformance.runner.lifeline PARENT_PID -- argv...``), which sets the death signal before it
+  ``exec``s the real program, so no import time is left unguarded.
+* Temporary directories carry the driver's pid in their name; a later run removes those whose
+  driver is gone (:func:`remove_stale_dirs`), which covers a driver killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """SIGKILL this process when its parent exits; exit now if ``parent_pid`` is already gone."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog and the driver's kill remain
+        pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def lead_process_group() -> None:
+    """Make this process the leader of a new process group (see the Note)."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
+def watch_parent(sentinel) -> None:
+    """Start a daemon thread that kills this process's group once ``sentinel`` reports EOF."""
+    from multiprocessing.connection import wait
+
+    def watchdog():
+        wait([sentinel])
+        if os.getpgrp() == os.getpid():  # never the driver's group (it may hold a shell pipeline)
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="fsdp-conformance-parent-watchdog", daemon=True).start()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (the process and its descendants), else ``pid``."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            return
+
+
+def command(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the program dies with this process from its first instruction."""
+    return [sys.executable, "-m", "conformance.runner.lifeline", str(os.getpid()), "--", *argv]
+
+
+TEMP_PREFIX = "fsdp-conformance-"
+_TEMP_NAME = re.compile(TEMP_PREFIX + r"[a-z]+[0-9]*-([0-9]+)(-.*)?")  # <kind>-<driver pid>[-*]
+
+
+def temp_dir(kind: str) -> str:
+    """A new directory ``$TMPDIR/fsdp-conformance-<kind>-<driver pid>-*``."""
+    remove_stale_dirs()
+    return tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{kind}-{os.getpid()}-")
+
+
+def remove_stale_dirs(owner: int | None = None) -> None:
+    """Remove the harness's temporary directories of process ``owner``, or (None) of every
+    process that no longer exists. The pid in a name is the driver's (the workers' parent)."""
+    for path in Path(tempfile.gettempdir()).glob(TEMP_PREFIX + "*"):
+        match = _TEMP_NAME.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if owner is not None:
+            if pid == owner:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _exec_main(argv: list[str]) -> None:
+    parent, sep, *program = argv
+    if sep != "--" or not program:
+        raise SystemExit("usage: python -m conformance.runner.lifeline PARENT_PID -- PROGRAM [ARGS]")
+    die_with_parent(int(parent))
+    os.execv(program[0], program)
+
+
+if __name__ == "__main__":
+    _exec_main(sys.argv[1:])
