@@ -12,10 +12,12 @@ to the wrapped model. For a flat parameter the rules become:
 * after the optimizer steps, every original parameter (reassembled from the ranks' flat shards,
   never through the state-dict code) equals the oracle's.
 With ``use_orig_params=True`` the optimizer steps the original parameters' 1-D sharded views; the
-same three rules hold. Tolerances are ``training.FP32``.
-``no_sync``: inside ``model.no_sync()`` the backward accumulates without communication; the next
-synced backward reduces the accumulated gradient, so the flat gradient after it is the chunk of the
-oracle's gradient summed over all micro-batches.
+same rules hold, with each view's gradient compared with the oracle's elements at the view's offset
+(the flat layout then holds alignment padding between parameters). Tolerances are
+``training.FP32``.
+``no_sync``: inside ``model.no_sync()`` the backward accumulates without communication (no
+reduce-scatter is issued); the next synced backward reduces the accumulated gradient, so the flat
+gradient after it is the chunk of the oracle's gradient summed over all micro-batches.
 Mixed precision (FSDP1 ``MixedPrecision``): forward sees parameters and inputs in ``param_dtype or
 orig`` and returns it; the reduce-scatter runs in ``reduce_dtype or param_dtype or orig``; the flat
 parameter and its gradient stay in ``orig``; buffers are cast to ``buffer_dtype`` at lazy init.
@@ -111,9 +113,13 @@ def run_flat_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=3, op
         for micro in range(accumulate):
             x, y = make_batch(model_name, ctx.world_size, step * accumulate + micro, ctx.device)
             sync = micro == accumulate - 1
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with contextlib.nullcontext() if sync else model.no_sync(), \
+                    observe_reduce_scatter() as reductions:
                 loss = per_sample_loss(model_name, model(x[mine]), y[mine]).mean()
                 loss.backward()
+            assert sync or not reductions, (
+                f"{ctx.where()} step {step}: the backward inside no_sync() reduce-scattered "
+                f"{len(reductions)} gradient(s), expected none (accumulate locally)")
             oloss_all = per_sample_loss(model_name, oracle(x), y)
             oloss_all.mean().backward()
             assert_close(ctx, f"step {step} micro-batch {micro} loss", loss,
@@ -150,8 +156,8 @@ def flat_train_parity(ctx, model_name, plan, optim):
        cases={"mlp-nested-sgd": {"plan": "nested", "optim": "sgd"},
               "tiny-root-adam": {"plan": "root", "optim": "adam", "model_name": "tiny"}})
 def flat_no_sync_accumulation(ctx, plan, optim, model_name="mlp"):
-    """FSDP1 ``no_sync()``: two micro-batches per step, the first inside ``model.no_sync()``; the
-    flat gradient after the synced one is the oracle's chunk of the gradient summed over both, and
+    """FSDP1 ``no_sync()``: two micro-batches per step, the first inside ``model.no_sync()`` (its
+    backward issues no reduce-scatter); the flat gradient after the synced one is the oracle's chunk of the gradient summed over both, and
     training matches the oracle (P6)."""
     run_flat_parity(ctx, model_name, plan, optim, steps=2, accumulate=2)
 
