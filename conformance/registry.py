@@ -3,7 +3,9 @@
 A check is a module-level function in ``conformance/checks/<area>.py`` decorated with :func:`check`.
 Its body runs on every rank as ``fn(ctx, **case_kwargs)`` and passes by returning; it fails by raising
 (usually ``AssertionError`` with a message that says what was expected on which rank). Its docstring
-states the rule it checks.
+states the rule it checks. A check whose assertion cannot fail where it runs (e.g. "offloaded shards
+live on the CPU" when the compute device is the CPU) raises :class:`Skip` with the reason instead of
+passing; the case is reported ``skip``.
 
 Each check expands into one case per (implementation, world size, case). The case id that
 expectations files and reports use is ``<area>::<check>[ws<N>-<case>]``.
@@ -15,6 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CHECKS: list[CheckSpec] = []
+
+
+class Skip(Exception):
+    """Raised by a check body whose assertion cannot fail on this device; the message is the reason
+    ("needs an accelerator: on CPU, offloaded and resident memory are the same")."""
 
 
 @dataclass(frozen=True)

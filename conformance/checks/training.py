@@ -26,7 +26,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._rows import chunk_of as local_chunk  # noqa: F401 (re-exported)
-from conformance.registry import check
+from conformance.registry import Skip, check
 
 B = 2  # samples per rank per step
 STEPS = 3
@@ -281,16 +281,30 @@ def train_parity_bf16(ctx, reduce):
 @check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.CPU_OFFLOAD},
        cases={"root-sgd": {"plan": "root", "optim": "sgd"}, "nested-adam": {"plan": "nested", "optim": "adam"}})
 def train_parity_cpu_offload(ctx, plan, optim):
-    """With CPU offload the sharded parameters and their gradients live on the CPU and training
-    matches the oracle as without offload."""
-    model = run_parity(ctx, "mlp", plan, optim, steps=2, options={"cpu_offload": True})
+    """With CPU offload (``CPUOffloadPolicy``) training matches the oracle as without offload: the
+    offload path's copies to and from the compute device keep every value (P11, P6)."""
+    run_parity(ctx, "mlp", plan, optim, steps=2, options={"cpu_offload": True})
+
+
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.CPU_OFFLOAD})
+def cpu_offload_placement(ctx):
+    """With CPU offload on an accelerator, the sharded parameters and their sharded gradients live on
+    the CPU after a step while forward computes on the device (P11). Skipped on a CPU compute device,
+    where offloaded and resident tensors are the same tensors."""
+    if ctx.device.type == "cpu":
+        raise Skip("needs an accelerator: on CPU, offloaded and resident memory are the same")
+    model = run_parity(ctx, "mlp", "nested", "sgd", steps=1, options={"cpu_offload": True})
     x, y = make_batch("mlp", ctx.world_size, 99, ctx.device)
-    per_sample_loss("mlp", model(x[:B]), y[:B]).mean().backward()
+    out = model(x[:B])
+    assert out.device.type == ctx.device.type, (
+        f"{ctx.where()} forward output on {out.device}, expected the compute device {ctx.device}")
+    per_sample_loss("mlp", out, y[:B]).mean().backward()
     for name, param in model.named_parameters():
         assert param.to_local().device.type == "cpu", (
             f"{ctx.where()} {name}: offloaded shard on {param.to_local().device}, expected cpu")
-        assert param.grad is None or param.grad.to_local().device.type == "cpu", (
-            f"{ctx.where()} {name}: offloaded grad on {param.grad.to_local().device}")
+        assert param.grad is not None and param.grad.to_local().device.type == "cpu", (
+            f"{ctx.where()} {name}: offloaded grad on "
+            f"{None if param.grad is None else param.grad.to_local().device}, expected cpu")
 
 
 # reduce dtype -> (mixed-precision options, tolerance of the reduced gradient against the fp32 oracle)

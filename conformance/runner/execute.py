@@ -9,7 +9,8 @@ import traceback
 import torch
 
 from conformance.adapters.base import NotSupported
-from conformance.runner.protocol import ERROR, NOT_SUPPORTED, OK, RankResult, Task, resolve
+from conformance.registry import Skip
+from conformance.runner.protocol import ERROR, NOT_SUPPORTED, OK, SKIPPED, RankResult, Task, resolve
 
 _IMPLS: dict[str, object] = {}  # implementation spec -> loaded adapter, per process
 
@@ -47,6 +48,8 @@ def execute(
         status, detail = OK, ""
     except NotSupported as exc:
         value, status, detail = None, NOT_SUPPORTED, str(exc)
+    except Skip as exc:
+        value, status, detail = None, SKIPPED, str(exc)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, never swallowed
         if isinstance(exc, KeyboardInterrupt):
             raise
