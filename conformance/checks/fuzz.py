@@ -31,6 +31,7 @@ from conformance.fuzz import strategies as fs
 from conformance.registry import check
 
 MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.1}
+NO_TRAINING = fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING}  # the layout check's
 
 
 def shard(ctx, example: dict, salt: int = 0, impl=None, plain: bool = False):
@@ -67,6 +68,16 @@ def oracle_params(oracle) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in oracle.named_parameters()}
 
 
+def placement_dims(example: dict, oracle) -> dict[str, int]:
+    """Every parameter name (tied aliases too) -> the dim it is sharded on."""
+    first = {}
+    for name, p in oracle.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    placements = example.get("placements", {})
+    return {name: placements.get(first[id(p)], 0)
+            for name, p in oracle.named_parameters(remove_duplicate=False)}
+
+
 def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     """Every full parameter of a sharded model: ``full_tensor()`` of DTensor parameters (any
     placement), else reassembled from the layout view (``full_params``)."""
@@ -90,7 +101,7 @@ def assert_restored(ctx, model, expected: dict, what: str, impl=None) -> None:
                 f"{expected[name].reshape(-1)[:4].tolist()}")
 
 
-@fuzz_check(features=fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING})
+@fuzz_check(features=NO_TRAINING)
 @check(area="fuzz")
 def layout(ctx, example):
     """Every parameter of a random model sits where the layout rule puts it: dim-0 (or the placed
@@ -159,15 +170,17 @@ def train_parity(ctx, example):
     train(ctx, model, oracle, example, example["steps"])
     got, want = gathered(ctx, model), oracle_params(oracle)
     low = bool(example.get("options", {}).get("mixed_precision"))
+    # low precision: compared with the model's largest fp32 update (a parameter whose gradient is
+    # numerically zero, e.g. behind a 1- or 2-wide LayerNorm, has only rounding noise to update)
+    scale = max((v - before[n]).norm().item() for n, v in want.items())
     for fqn, value in want.items():
         if not low:
             assert_close(ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"])
             continue
         err = (got[fqn] - value).float().norm().item()
-        scale = (value - before[fqn]).norm().item()
-        assert err <= MP_TOL["update"] * scale + 1e-4, (
+        assert err <= MP_TOL["update"] * scale + 1e-5, (
             f"{ctx.where()} {fqn}: after {example['steps']} mixed-precision steps the parameters are "
-            f"{err:.3g} (norm) from the fp32 oracle's, more than 10% of its update {scale:.3g}")
+            f"{err:.3g} (norm) from the fp32 oracle's, more than 10% of the largest update {scale:.3g}")
 
 
 def _kind(impl, kind: str) -> str:
@@ -186,7 +199,7 @@ def _kind(impl, kind: str) -> str:
                        f"or {base.DTENSOR_STATE_DICT})")
 
 
-@fuzz_check(features={fs.TIES, fs.PLACEMENTS, fs.RESHARD, fs.ORIG_PARAMS, fs.TRAINING})
+@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION}, drop={"full": {fs.TIES}, "sharded": {fs.ZERO_SIZE}})
 @check(area="fuzz", requires={base.TRAINING}, cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}})
 def state_dict_round_trip(ctx, example, kind):
     """After a training step, a random model's FULL (SHARDED) state dict holds the oracle's values
@@ -201,13 +214,12 @@ def state_dict_round_trip(ctx, example, kind):
     assert set(sd) == set(expected), (
         f"{ctx.where()} {impl_kind} state-dict keys: missing {sorted(set(expected) - set(sd))}, "
         f"unexpected {sorted(set(sd) - set(expected))}")
-    params = dict(oracle.named_parameters(remove_duplicate=False))
+    dims = placement_dims(example, oracle)
     full = impl_kind in ("full", "dcp-full") or (ctx.world_size == 1 and base.FLAT_PARAM in ctx.impl.capabilities)
     for name, value in expected.items():
-        dim = example.get("placements", {}).get(name, 0)
-        if name in params and not full and dim != 0:
+        if name in dims and not full and dims[name] != 0:
             continue  # a Shard(d) entry: checked through the load below
-        assert_entry(ctx, name, sd[name], value, full=full or name not in params, exact=False)
+        assert_entry(ctx, name, sd[name], value, full=full or name not in dims, exact=False)
     fresh, _ = shard(ctx, example, salt=1)
     ctx.impl.load_state_dict(fresh, sd, impl_kind)
     assert_restored(ctx, fresh, trained, f"after loading the {impl_kind} state dict")
@@ -221,7 +233,7 @@ def _partner(impl):
     return load_implementation(name)
 
 
-@fuzz_check(features={fs.PLACEMENTS, fs.RESHARD, fs.ORIG_PARAMS, fs.TRAINING})
+@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.TIES})
 @check(area="fuzz", requires={base.TRAINING})
 def cross_load(ctx, example):
     """A full state dict saved by the implementation loads into the other layout's reference

@@ -18,16 +18,17 @@ hypothesis derandomized (the same examples on every run; nothing written to a da
 from __future__ import annotations
 
 
-def fuzz_check(features):
+def fuzz_check(features, drop=None):
     """Mark a registered check as a fuzz check whose examples may use ``features`` (see
-    :mod:`conformance.fuzz.strategies`): the plugin collects it as a
-    :class:`~conformance.fuzz.item.FuzzItem`. Put it above ``@check``."""
+    :mod:`conformance.fuzz.strategies`), less ``drop[case]`` for a case: the plugin collects it as
+    a :class:`~conformance.fuzz.item.FuzzItem`. Put it above ``@check``."""
 
     def mark(fn):
         from conformance.fuzz.item import FuzzItem
 
         fn.item_class = FuzzItem
         fn.fuzz_features = frozenset(features)
+        fn.fuzz_drop = {case: frozenset(f) for case, f in (drop or {}).items()}
         return fn
 
     return mark

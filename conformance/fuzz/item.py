@@ -16,7 +16,8 @@ from conformance.runner import protocol
 from conformance.runner.protocol import Task
 
 CI_EXAMPLES = 6  # examples per fuzz case without --fuzz-examples (derandomized: the same each run)
-SHRINK_SECONDS = 90.0  # after this long, shrinking settles on the smallest failing example so far
+# after this long (CI budget / --fuzz-examples), shrinking settles on the smallest failing example
+SHRINK_SECONDS = {"ci": 90.0, "deep": 300.0}
 
 
 class ExampleFailed(Exception):
@@ -40,9 +41,11 @@ class FuzzItem(CheckItem):
         timeout = meta.spec.timeout or self.config.option.check_timeout
         case_kwargs = meta.spec.cases[meta.case]
         stats = {"ran": 0, "unsupported": "", "first_failure": None, "smallest": None}
+        shrink_for = SHRINK_SECONDS["deep" if deep else "ci"]
+        features = meta.spec.fn.fuzz_features - meta.spec.fn.fuzz_drop.get(meta.case, frozenset())
 
         def run(example):
-            if stats["smallest"] is not None and time.monotonic() > stats["first_failure"] + SHRINK_SECONDS:
+            if stats["smallest"] is not None and time.monotonic() > stats["first_failure"] + shrink_for:
                 if example == stats["smallest"].example:  # shrink budget spent: keep that one
                     raise stats["smallest"]
                 return
@@ -72,7 +75,7 @@ class FuzzItem(CheckItem):
             suppress_health_check=list(HealthCheck),
             phases=(Phase.explicit, Phase.generate, Phase.shrink),
             report_multiple_bugs=False,
-        )(given(examples(meta.world_size, impl, meta.spec.fn.fuzz_features))(run))
+        )(given(examples(meta.world_size, impl, features))(run))
         try:
             prop()
         except Unsatisfiable:

@@ -13,6 +13,13 @@ by a hand-written check):
   parameter with numel 0 at world size >= 2 (``RuntimeError: _chunk_cat expects non-empty tensor``
   in the reduce-scatter copy-in; found by this fuzzer): checks that train draw no zero dims for
   per-parameter layouts;
+* torch 2.13's FSDP2 fails in backward (``IndexError`` in ``foreach_all_gather_copy_out``) when an
+  int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer): an
+  example with placements draws only bool ``reshard_after_forward`` values;
+* torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for a module holding a
+  zero-numel parameter (found by this fuzzer): the ``sharded`` state-dict case draws no zero dims;
+* upstream FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy,
+  which would split a tie: batch norms are never tied;
 * tied parameters split over two units are not a supported configuration of either API, and torch
   DCP's full load rejects tied alias keys (``state_dict::shared_params[*-dcp-full``): a unit holds
   both ends of a tie or neither, and checks that load full DCP state dicts draw no ties.
@@ -32,7 +39,9 @@ PLACEMENTS = "placements"
 RESHARD = "reshard-after-forward"
 ORIG_PARAMS = "use-orig-params"
 TRAINING = "training"  # the check runs backward (see the zero-size limitation above)
-ALL_FEATURES = frozenset({MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING})
+ZERO_SIZE = "zero-size"  # parameters may have zero dims
+ALL_FEATURES = frozenset(
+    {MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING, ZERO_SIZE})
 
 
 def dims(ws: int, zero: bool = False):
@@ -73,7 +82,8 @@ def tree(draw, ws: int, depth: int, zero: bool) -> dict:
 def _tie_candidates(model) -> list[tuple[str, str]]:
     leaves = [(p, m) for p, m in model.named_modules() if p and isinstance(getattr(m, "weight", None), fm.nn.Parameter)]
     return [(a, b) for i, (a, ma) in enumerate(leaves) for b, mb in leaves[i + 1:]
-            if type(ma) is type(mb) and ma.weight.shape == mb.weight.shape]
+            if type(ma) is type(mb) and ma.weight.shape == mb.weight.shape
+            and not isinstance(ma, fm.BatchNormLeaf)]
 
 
 def _splits_tie(unit: str, ties) -> bool:
@@ -87,7 +97,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     caps = impl.capabilities
     known = getattr(impl, "known_options", None)
     allows = lambda opt: known is None or opt in known  # noqa: E731
-    zero = not (TRAINING in features and base.PER_PARAM_DIM0 in caps and ws > 1)
+    zero = ZERO_SIZE in features and not (TRAINING in features and base.PER_PARAM_DIM0 in caps and ws > 1)
     example = {
         "seed": draw(st.integers(0, 2**16)),
         "width": draw(dims(ws)),
@@ -125,12 +135,6 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     if ORIG_PARAMS in features and allows("use_orig_params") and base.FLAT_PARAM in caps:
         options["use_orig_params"] = draw(st.booleans())
     example["options"] = options
-    if RESHARD in features and base.RESHARD_AFTER_FORWARD in caps and allows("reshard_after_forward"):
-        values = [True, False] + [d for d in range(2, ws) if ws % d == 0]
-        example["unit_options"] = {
-            u: {"reshard_after_forward": draw(st.sampled_from(values))}
-            for u in wrap + [""] if draw(st.booleans())
-        }
     if PLACEMENTS in features and base.SHARD_PLACEMENT_FN in caps and allows("shard_placement_fn"):
         placements = {}
         for name, p in model.named_parameters():
@@ -139,4 +143,12 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
                 placements[name] = draw(st.sampled_from(even))
         if placements:
             example["placements"] = placements
+    if RESHARD in features and base.RESHARD_AFTER_FORWARD in caps and allows("reshard_after_forward"):
+        values = [True, False]
+        if not example.get("placements"):  # see the module docstring
+            values += [d for d in range(2, ws) if ws % d == 0]
+        example["unit_options"] = {
+            u: {"reshard_after_forward": draw(st.sampled_from(values))}
+            for u in wrap + [""] if draw(st.booleans())
+        }
     return example
