@@ -148,7 +148,7 @@ FLAT_PARITY_CASES = {
 @check(area="training", requires=FLAT_TRAINING, cases=FLAT_PARITY_CASES)
 def flat_train_parity(ctx, model_name, plan, optim):
     """FSDP1: losses, each unit's flat gradient (the oracle's padded mean-gradient chunk, zero
-    padding) and the parameters after 3 steps equal the single-process oracle's (P6, P11)."""
+    padding) and the parameters after 3 steps equal the single-process oracle's (P6)."""
     run_flat_parity(ctx, model_name, plan, optim)
 
 
