@@ -128,7 +128,7 @@ def train_step_through_hooks(ctx, cls, raf):
     module = PairLinear(rows, cls).to(ctx.device)
     oracle = (distinct_values((rows, 3), 0) / 100.0).to(ctx.device).requires_grad_(True)
     ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=raf)
-    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    opt = torch.optim.SGD(module.parameters(), lr=0.5, foreach=False)
     oopt = torch.optim.SGD([oracle], lr=0.5)
     g = torch.Generator().manual_seed(3)
     for step in range(3):
