@@ -91,7 +91,7 @@ def pytest_addoption(parser):
 # ---------------------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class Case:
-    area: str  # allgather / padding / state_dict
+    area: str  # allgather / padding / state_dict / paired
     ws: int
     impl: str  # implementation name, or BASELINE
     spec: str | None  # implementation spec sent to the ranks (None for the baseline)
@@ -183,6 +183,10 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
                                 if style == "fsdp1" and piece != "unshard"
                                 else "",
                             )
+                    elif area == "paired":  # an FSDP2-style impl against upstream, one task
+                        if style == "fsdp2" and impl.name != "torch-fsdp2":
+                            for step in ("unshard", "full_sd"):
+                                add(impl.name, spec, style, step, f"{step}_upstream")
                     elif area == "padding":
                         add(impl.name, spec, style, "memcpy", None)
                         for step in ("construct", "load_assign", "reset"):

@@ -114,7 +114,7 @@ def render(records, meta: dict) -> str:
         "time; busbw = algbw·(n−1)/n.",
         "",
     ]
-    out += _allgather(ix) + _padding(ix) + _state_dict(ix) + _targets(ix)
+    out += _allgather(ix) + _padding(ix) + _state_dict(ix) + _paired(ix) + _targets(ix)
     return "\n".join(out) + "\n"
 
 
@@ -297,6 +297,57 @@ def _state_dict(ix: Index) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------------------------ paired
+PAIRED_PATHS = {"unshard": "unshard+reshard", "full_sd": "FULL state dict (DCP)"}
+
+
+def _paired(ix: Index) -> list[str]:
+    recs = [r for r in ix.records if r["area"] == "paired" and r.get("floor_median_s")]
+    if not recs:
+        return []
+    out = [
+        "## Paired with upstream",
+        "",
+        "The implementation and upstream torch FSDP2 in one task, their steps interleaved round by "
+        "round, so machine load hits both alike: `vs upstream` = median / upstream's median of the "
+        "same rounds.",
+        "",
+        "| world size | shapes | path | impl | ms | upstream ms | vs upstream | spread |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(recs, key=lambda r: (r["world_size"], r["path"], _cfg(r), r["impl"])):
+        out.append(
+            f"| {r['world_size']} | {_cfg_name(_cfg(r))} | {PAIRED_PATHS[r['path']]} | {r['impl']} "
+            f"| {_ms(r['median_s'])} | {_ms(r['floor_median_s'])} | {_x(r['ratio_to_floor'])} "
+            f"| {r['iqr_rel']:.0%} |"
+        )
+    return out + [""]
+
+
+def _paired_targets(ix: Index) -> list[str]:
+    """Paired-rounds targets: ws 1 unshard and the FULL state dict at ws 2/4 ≤ 1.0× upstream."""
+    out = []
+    for path, world_sizes in (("unshard", (1,)), ("full_sd", (2, 4))):
+        pts = [
+            (f"ws{r['world_size']} {_cfg_name(_cfg(r))}", r["ratio_to_floor"])
+            for r in ix.records
+            if r["area"] == "paired" and r["impl"] == REF and r["path"] == path
+            and r["world_size"] in world_sizes and r.get("ratio_to_floor")
+        ]
+        where = "/".join(map(str, world_sizes))
+        if not pts:
+            out.append(f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired), ws {where}: "
+                       "not measured")
+            continue
+        worst = max(pts, key=lambda p: p[1])
+        out.append(
+            f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired rounds), ws {where}: "
+            f"**{'met' if worst[1] <= 1.0 else 'not met'}** (worst {worst[1]:.2f}× on "
+            f"{worst[0]}; " + ", ".join(f"{n} {x:.2f}×" for n, x in pts) + ")"
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------ targets
 def _repads(r) -> bool:
     """Whether a FSDP2-style re-pad of this case copies (some dim 0 does not divide ws)."""
@@ -347,6 +398,7 @@ def _targets(ix: Index) -> list[str]:
                 )
                 + ")"
             )
+    out += _paired_targets(ix)
     pad = [
         r
         for r in ix.records

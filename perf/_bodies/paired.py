@@ -1,0 +1,48 @@
+"""Paired with upstream: an FSDP2-style implementation and upstream ``torch.distributed.fsdp`` in
+ONE task, their steps interleaved round by round (see ``timing``), so that the load of a busy
+machine hits both alike and their ratio is meaningful where separate tasks' medians are not.
+
+Steps (each implementation on its own copy of the same parameters, one ``fully_shard`` group):
+* ``unshard`` / ``unshard_upstream``: ``module.unshard(); module.reshard()`` — at world size 1 the
+  unshard that skips the collective and copies the all-gather inputs;
+* ``full_sd`` / ``full_sd_upstream``: ``get_model_state_dict(full_state_dict=True)``.
+The case reports ``unshard`` with ``unshard_upstream`` as its floor, so ``×floor`` is the
+implementation's time over upstream's in the same rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from perf._bodies.allgather import originals
+from perf._bodies.shapes import Bag
+from perf._bodies.state_dict import check_state_dict
+from perf._bodies.timing import Step, measure
+
+
+def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) -> dict:
+    """Both implementations' unshard+reshard and FULL state dict, interleaved (module Note)."""
+    ctx.require("fsdp2-api")
+    import torch.distributed.fsdp as upstream
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    shape_list, origs = originals(ctx, shape_set, size_mb)
+    full = StateDictOptions(full_state_dict=True)
+    models = {"": ctx.impl.ns.fully_shard, "_upstream": upstream.fully_shard}
+    for suffix, fully_shard in models.items():
+        model = models[suffix] = fully_shard(Bag(shape_list, ctx.device), mesh=ctx.mesh)
+        model.unshard()  # correctness once (and lazy init): the unsharded values are the originals
+        for i, t in enumerate(origs):
+            assert torch.equal(getattr(model, f"p{i}").detach(), t), (
+                f"{ctx.where()} unsharded p{i}{suffix} != original")
+        model.reshard()
+        check_state_dict(ctx, get_model_state_dict(model, options=full), origs,
+                         f"FULL state dict{suffix}")
+    steps = {}
+    for path in ("unshard", "full_sd"):
+        for suffix, m in models.items():
+            if path == "unshard":
+                steps[path + suffix] = Step(lambda _, m=m: (m.unshard(), m.reshard()))
+            else:
+                steps[path + suffix] = Step(lambda _, m=m: get_model_state_dict(m, options=full))
+    return {"times": measure(ctx, steps, quick=quick, **timing), "info": {}}
