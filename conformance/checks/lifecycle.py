@@ -143,15 +143,15 @@ TIED_ACROSS = {  # units sharded, children first; b.weight is a.weight
     "a-and-b": ["a", "b", ""],  # the tie spans two sibling groups
     "a-and-root": ["a", ""],  # b (and its tied weight) falls to the root group
 }
-SHARED_MSG = r"shared with a parameter already managed by another FSDP group"
+SHARED_MSG = r"Parameter '(a|b)\.weight' is shared with a parameter already managed by another FSDP group"
 
 
 @check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS},
        cases={k: {"units": v} for k, v in TIED_ACROSS.items()})
 def tied_across_groups_refused(ctx, units):
     """A parameter tied across two separate ``fully_shard`` groups is refused with ValueError
-    '... is shared with a parameter already managed by another FSDP group ...' by ``fully_shard`` or
-    the first forward, on every rank (P17)."""
+    "Parameter '<fqn>' is shared with a parameter already managed by another FSDP group ..." (naming
+    one of the two FQNs) by ``fully_shard`` or the first forward, on every rank (P17)."""
     model = Chain(tie=True).to(ctx.device)
 
     def shard():
