@@ -34,7 +34,7 @@ def _garbage_flat_padding(result, self, *args, **kwargs):
 fault("r1-flat-padding-garbage", "reference-fsdp1", "S7", "layout",
       f"{REF1}:FlatParamHandle._init_flat_param",
       "the padding at the end of a rank's flat shard holds 7.0 instead of zeros",
-      world_sizes=(3,), fast=True)(wrap(after=_garbage_flat_padding))
+      fast=True)(wrap(after=_garbage_flat_padding))
 
 
 def _torch_garbage_get_shard(original):
@@ -216,7 +216,7 @@ def _size_policy(min_delta=0, no_exclude=False, no_force_leaf=False):
 fault("w-size-threshold-strict", "reference-fsdp1", "W1", "wrap",
       f"{WRAP}:size_based_auto_wrap_policy",
       "size_based_auto_wrap_policy wraps only above min_num_params (> instead of >=)",
-      world_sizes=(1,), fast=True)(_size_policy(min_delta=1))
+      fast=True)(_size_policy(min_delta=1))
 fault("t1-size-threshold-strict", "torch-fsdp1", "W1", "wrap", f"{TORCH}:size_based_auto_wrap_policy",
       "upstream: size_based_auto_wrap_policy wraps only above min_num_params",
       world_sizes=(1,))(_size_policy(min_delta=1))

@@ -27,7 +27,7 @@ def _floor_chunk_dim_sizes(dim_size: int, world_size: int) -> list[int]:
 
 fault("ref-rows-floor", "reference", "P1", "layout", f"{REF}:chunk_dim_sizes",
       "rows per rank are floor(dim0/ws) with the remainder on the last rank, not ceil(dim0/ws)",
-      world_sizes=(3,), fast=True)(replace_with(_floor_chunk_dim_sizes))
+      fast=True)(replace_with(_floor_chunk_dim_sizes))
 
 
 def _floor_shard_offset(size, world_size, rank, dim=0):
@@ -148,7 +148,7 @@ def _stacked_copy_out(original):
 fault("ref-copy-out-no-interleave", "reference", "P7", "placement",
       f"{REF}:foreach_all_gather_copy_out",
       "copy-out of a Shard(d!=0) parameter leaves the rank chunks stacked on dim 0",
-      fast=True)(_stacked_copy_out)
+      )(_stacked_copy_out)
 
 
 def _drop_second_extension_input(result, *args, **kwargs):
@@ -307,7 +307,7 @@ def _accept_uneven(original):
 
 fault("ref-uneven-dim-accepted", "reference", "P13", "placement", f"{REF}:_resolve_shard_placement",
       "Shard(d!=0) on a dim the world size does not divide is accepted instead of rejected",
-      world_sizes=(3,))(_accept_uneven)
+      fast=True)(_accept_uneven)
 
 
 def _managed_states_without_checks(modules, ignored_params):

@@ -61,7 +61,8 @@ def run_world_size(ws: int, faults: list, args, extra: list[str]) -> tuple[list[
     out_dir = Path(args.reports_dir) / f"selftest-ws{ws}"
     cmd = [sys.executable, "-m", "conformance", "--impl", ",".join(controls + [f.spec for f in faults]),
            "--world-sizes", str(ws), "--reports-dir", str(out_dir), "-q", "--tb=no",
-           "-p", "no:cacheprovider", *(["-k", args.checks] if args.checks else []), *extra]
+           "-p", "no:cacheprovider", "-p", "conformance.selftest.no_shrink",
+           *(["-k", args.checks] if args.checks else []), *extra]
     print(f"selftest: world size {ws}: {len(faults)} fault(s) + control {', '.join(controls)}",
           flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
