@@ -163,7 +163,8 @@ def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPM
     data = param._local_tensor if isinstance(param, DTensor) else param
     if not data.is_contiguous():
         raise NotImplementedError(
-            f"FSDP does not support non-contiguous parameters yet: {data.shape=} {data.stride()=}"
+            "FSDP does not support non-contiguous parameters yet: "
+            f"param.shape={data.shape} param.stride()={data.stride()}"
         )
     dim = placement.dim + data.ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < data.ndim:
