@@ -2,8 +2,8 @@
 
 [Note: how a world-size-W1 checkpoint reaches a world-size-W2 check]
 The harness runs one world size at a time, so a check at W2 cannot borrow a W1 group. Instead rank
-0 of the W2 group *launches* a separate W1-rank job (plain subprocesses running this module's
-``_save_main`` on a fresh loopback rendezvous) that shards ``Net(salt=0)`` with the same
+0 of the W2 group *launches* a separate W1-rank job (processes forked from a save-job server,
+running this module's ``_save_rank`` on a fresh loopback rendezvous) that shards ``Net(salt=0)`` with the same
 implementation and writes its SHARDED state dict with ``torch.distributed.checkpoint.save`` (and, for
 LOCAL, each rank's flat pieces with ``torch.save``) into a directory. Rank 0 broadcasts the
 directory's path before it starts the job; the other ranks wait for the directory (or an error
@@ -22,8 +22,6 @@ import faulthandler
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,43 +74,64 @@ def _cache_root() -> Path:
     return Path(tempfile.gettempdir()) / f"{_PREFIX}{os.getppid()}"
 
 
+# The save jobs' ranks are forked from one server process per worker, started on first use with
+# torch and this module imported (``multiprocessing``'s forkserver): a job rank then starts in
+# milliseconds instead of paying a fresh interpreter and torch import (40 of them in the default
+# matrix). The server dies with the worker (it exits when the worker's end of its pipe closes) and
+# sits in the worker's process group, which the driver kills; each job rank also asks for a death
+# signal. See [Note: no orphans] in conformance.runner.lifeline.
+_JOB_PRELOAD = ["conformance.checks.state_dict_reshard", "torch._dynamo"]
+IN_SAVE_JOB = False  # True in a save job's rank (lets a self-test fault hit only the job)
+
+
+def _job_context():
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_JOB_PRELOAD)
+    return context
+
+
 def _produce(ctx, spec: str, w1: int, directory: Path, deadline: float) -> None:
     """Run a W1-rank job that writes ``Net(0)``'s sharded (and local) state dict to ``directory``;
-    at ``deadline`` (a ``time.monotonic()`` value) its ranks' stacks are taken and it is killed.
-    Its processes die with this one (``lifeline.command``)."""
-    from conformance.runner import lifeline
+    at ``deadline`` (a ``time.monotonic()`` value) its ranks' stacks are taken and it is killed."""
     from conformance.runner.pool import free_port
 
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     port = free_port()
-    procs = [subprocess.Popen(
-        lifeline.command([sys.executable, "-m", "conformance.checks.state_dict_reshard", str(tmp),
-                          spec, str(w1), str(rank), str(port), ctx.device.type, ctx.backend]),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(w1)]
-    outputs, hung = [], False
+    logs = [tmp.with_name(f"{tmp.name}.rank{rank}.log") for rank in range(w1)]
+    procs = [
+        _job_context().Process(
+            target=_save_rank,
+            args=(str(tmp), spec, w1, rank, port, ctx.device.type, ctx.backend, str(logs[rank])),
+            name=f"fsdp-conformance-save-ws{w1}-rank{rank}",
+        )
+        for rank in range(w1)
+    ]
     for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        proc.start()
+    hung = False
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
             hung = True
-            for p in procs:  # every live rank writes its stacks to its output (faulthandler)
-                if p.poll() is None:
-                    p.send_signal(signal.SIGUSR1)
+            for p in procs:  # every live rank writes its stacks to its log (faulthandler)
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)
             time.sleep(1.0)
             for p in procs:
                 p.kill()
-            out, _ = proc.communicate()
-        outputs.append((proc.returncode, out.decode(errors="replace")[-6000:]))
+                p.join()
     # A rank that wrote its marker finished its part (the barrier after the writes passed); a
     # non-zero exit after that is process teardown (seen once: gloo's threads aborting the
     # interpreter at exit under load) and does not spoil the checkpoint.
-    failed = [(r, code, out) for r, (code, out) in enumerate(outputs)
-              if code != 0 and not (tmp / f"rank{r}.done").exists()]
+    failed = [(r, p.exitcode, logs[r].read_text(errors="replace")[-6000:] if logs[r].exists() else "")
+              for r, p in enumerate(procs)
+              if p.exitcode != 0 and not (tmp / f"rank{r}.done").exists()]
+    for log in logs:
+        log.unlink(missing_ok=True)
     if failed:
         why = "did not finish in time and was killed; its ranks' stacks" if hung else "failed"
         raise RuntimeError(f"the world-size-{w1} save job {why}:\n" + "\n".join(
@@ -158,10 +177,16 @@ def checkpoint_dir(ctx, w1: int) -> Path:
     return directory
 
 
-def _save_main(argv: list[str]) -> None:
-    """Entry point of one rank of the save job (see the module docstring)."""
-    directory, spec, ws, rank, port, device, backend = argv
-    ws, rank = int(ws), int(rank)
+def _save_rank(directory, spec, ws, rank, port, device, backend, log_path) -> None:
+    """One rank of the save job (see the module docstring), in a process forked for it."""
+    global IN_SAVE_JOB
+    from conformance.runner import lifeline
+
+    lifeline.die_with_parent()
+    IN_SAVE_JOB = True
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's way to see a hang
     torch.set_num_threads(1)
     import torch.distributed.checkpoint as dcp
@@ -195,7 +220,6 @@ def _save_main(argv: list[str]) -> None:
     finally:
         dist.destroy_process_group()
     # Skip interpreter teardown: the work is on disk, and C++ threads torn down at exit can abort.
-    sys.stdout.flush()
     os._exit(0)
 
 
@@ -293,6 +317,3 @@ def interop_full(ctx, partner):
 def plain_reference_of(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
-
-if __name__ == "__main__":
-    _save_main(sys.argv[1:])

@@ -10,9 +10,9 @@
 * A worker also runs a watchdog thread that waits for end-of-file on a pipe only the driver holds
   (``multiprocessing``'s parent sentinel) and then kills its own process group: the fallback where
   ``PR_SET_PDEATHSIG`` does not exist.
-* Subprocesses of checks are started through :func:`command` (``python -m
-  conformance.runner.lifeline PARENT_PID -- argv...``), which sets the death signal before it
-  ``exec``s the real program, so no import time is left unguarded.
+* The checkpoint save jobs (conformance/checks/state_dict_reshard.py) are forked from a server
+  process in the worker's process group that exits with the worker; each job rank asks for the
+  death signal too.
 * Temporary directories carry the driver's pid in their name; a later run removes those whose
   driver is gone (:func:`remove_stale_dirs`), which covers a driver killed with SIGKILL.
 """
@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -75,11 +74,6 @@ def kill_tree(pid: int) -> None:
             return
 
 
-def command(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that the program dies with this process from its first instruction."""
-    return [sys.executable, "-m", "conformance.runner.lifeline", str(os.getpid()), "--", *argv]
-
-
 TEMP_PREFIX = "fsdp-conformance-"
 _TEMP_NAME = re.compile(TEMP_PREFIX + r"[a-z]+[0-9]*-([0-9]+)(-.*)?")  # <kind>-<driver pid>[-*]
 
@@ -108,15 +102,3 @@ def remove_stale_dirs(owner: int | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             pass
-
-
-def _exec_main(argv: list[str]) -> None:
-    parent, sep, *program = argv
-    if sep != "--" or not program:
-        raise SystemExit("usage: python -m conformance.runner.lifeline PARENT_PID -- PROGRAM [ARGS]")
-    die_with_parent(int(parent))
-    os.execv(program[0], program)
-
-
-if __name__ == "__main__":
-    _exec_main(sys.argv[1:])

@@ -181,9 +181,11 @@ class WorkerGroup:
         self.start()
         results, torn_down = self._collect(task, task.timeout, what=task.timeout_text)
         statuses = {r.status for r in results}
+        # clean: every rank ended the same way (returned, not supported, skipped), no rank raised
+        clean = len(statuses) == 1 and protocol.ERROR not in statuses
         if torn_down or protocol.DIED in statuses:
             self.kill()  # respawned lazily by the next run()
-        elif statuses not in ({protocol.OK}, {protocol.NOT_SUPPORTED}) and not self.healthy():
+        elif not clean and not self.healthy():
             self.probe_failures += 1
             self.kill()
         return results

@@ -27,16 +27,16 @@ class VersionRaises(FakeImpl):
 def HangingSave():
     """The reference FSDP2, except that its state dict hangs inside the checkpoint save job (a
     subprocess the reshard checks start), so the job's stack must reach the report."""
-    import sys
     import time
 
     from conformance.adapters.registry import BUILTINS
+    from conformance.checks import state_dict_reshard
 
     impl = BUILTINS["reference"]()
     state_dict = impl.state_dict
 
     def hanging_state_dict(module, kind="full", **config):
-        if sys.argv[0].endswith("state_dict_reshard.py"):
+        if state_dict_reshard.IN_SAVE_JOB:
             time.sleep(1000)
         return state_dict(module, kind, **config)
 

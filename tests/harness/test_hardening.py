@@ -215,8 +215,12 @@ def test_sigkill_of_the_driver_takes_the_workers_and_the_save_job_with_it(tmp_pa
         tmp_path, "--impl", "tests.harness.fake_impl:HangingSave", "--world-sizes", "1",
         "-k", "reshard_dcp and from-ws1",
     )  # fmt: skip
-    save_job = lambda: any("state_dict_reshard" in c for c in _processes_with_marker(marker).values())  # noqa: E731
-    assert _wait_for(save_job, 120), "the save job never started"
+    def save_job_running():  # the save-job server and at least one job rank (forked from it)
+        cmdlines = _processes_with_marker(marker).values()
+        return sum("state_dict_reshard" in c for c in cmdlines) >= 2
+
+    assert _wait_for(save_job_running, 120), "the save job never started"
+    time.sleep(1)
     proc.kill()
     proc.communicate(timeout=30)
     assert _wait_for(lambda: not _processes_with_marker(marker), 10), _processes_with_marker(marker)
