@@ -6,6 +6,16 @@
   ``SUMMON_FULL_PARAMS`` inside :func:`_unshard_fsdp_state_params`: every original name is an
                          ``nn.Parameter`` with its full shape, a view into the gathered flat tensor.
 
+[Note: a parent reading a wrapped child's parameter]  Some modules read a child's parameter
+without calling the child (``nn.MultiheadAttention`` passes ``out_proj.weight`` to a functional
+call). Upstream keeps the original names readable between unshards only as views into the flat
+parameter's storage, which hold the full values at world size 1 (NO_SHARD) and not otherwise. The
+reference instead gathers on access: while some FSDP forward runs, reading a managed parameter
+name of an idle FSDP module's wrapped module (``FSDP.__getattr__``) returns its full view into a
+fresh :meth:`~FlatParamHandle.unshard_for_compute`, so the gradient is reduce-scattered onto the
+flat parameter as for the child's own forward. Every rank reads the same names in the same order,
+so the all-gathers match; each read gathers once.
+
 [Note: forward and backward]  The all-gather and the reduce-scatter form one autograd function
 (``_flat_param._UnshardForCompute``): forward gathers the padded flat tensor, the module runs on
 views of it, and the gradient of that tensor is reduce-scattered (averaged) onto the sharded flat
@@ -29,6 +39,9 @@ from torch.utils._pytree import tree_map_only
 
 from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState
 from reference._fsdp1._flat_param import FLAT_PARAM
+
+# FSDP1 forwards now running (any tree): while > 0, a parent may read a child's parameter.
+_running_forwards = 0
 
 
 class TrainingState(Enum):
@@ -83,7 +96,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
             args, kwargs = _cast_forward_inputs(mp.param_dtype, args, kwargs)
     handle = state._handle
     if handle is None:
-        return state._fsdp_wrapped_module(*args, **kwargs)
+        return _run_wrapped(state, args, kwargs)
     if state.training_state != TrainingState.IDLE:
         raise RuntimeError(
             f"FSDP forward called in state {state.training_state.name}; forward is only allowed "
@@ -94,7 +107,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     handle.use_unsharded_views(padded, as_params=False)
     state.training_state = TrainingState.FORWARD_BACKWARD
     try:
-        output = state._fsdp_wrapped_module(*args, **kwargs)
+        output = _run_wrapped(state, args, kwargs)
     finally:
         handle.reshard()
         state.training_state = TrainingState.IDLE
@@ -102,6 +115,30 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
         handle.post_forward(padded)
         _register_pre_backward_hooks(handle, output)
     return output
+
+
+def _run_wrapped(state: _FSDPState, args: Any, kwargs: Any) -> Any:
+    global _running_forwards
+    _running_forwards += 1
+    try:
+        return state._fsdp_wrapped_module(*args, **kwargs)
+    finally:
+        _running_forwards -= 1
+
+
+def _read_orig_param(state: _FSDPState, name: str) -> torch.Tensor | None:
+    """The full view of ``state`` 's managed parameter ``name`` of its wrapped module, gathered
+    for a parent that reads it (see [Note: a parent reading a wrapped child's parameter]); ``None``
+    when no forward runs, ``state`` is not idle or ``name`` is not such a parameter."""
+    handle = state._handle
+    if handle is None or not _running_forwards or state.training_state != TrainingState.IDLE:
+        return None
+    module = handle._fully_sharded_module
+    index = next((i for m, _, n, i in handle._all_names() if m is module and n == name), None)
+    if index is None:
+        return None
+    handle.prepare_orig_grads_for_forward()
+    return handle.unflatten(handle.unshard_for_compute())[index]
 
 
 def _register_pre_backward_hooks(handle: Any, output: Any) -> None:

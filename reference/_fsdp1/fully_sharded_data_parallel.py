@@ -42,7 +42,12 @@ from reference._fsdp1._common_utils import (
 )
 from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
 from reference._fsdp1._init_utils import _clamp_strategy, _compute_device, _managed_tensors
-from reference._fsdp1._runtime_utils import TrainingState, _forward, _unshard_params
+from reference._fsdp1._runtime_utils import (
+    TrainingState,
+    _forward,
+    _read_orig_param,
+    _unshard_params,
+)
 from reference._fsdp1._state_dict_utils import _register_all_state_dict_hooks
 from reference.api import (
     BackwardPrefetch,
@@ -247,11 +252,13 @@ class FullyShardedDataParallel(_FSDPState):
         return self._handle.flat_param if self._handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
-        """Attributes not found on the wrapper come from the wrapped module."""
+        """Attributes not found on the wrapper come from the wrapped module (a managed parameter
+        read by a parent's forward is gathered first, see ``_runtime_utils``)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules[FSDP_WRAPPED_MODULE], name)
+            read = _read_orig_param(self, name)
+            return read if read is not None else getattr(self._modules[FSDP_WRAPPED_MODULE], name)
 
     def __getitem__(self, key: int) -> Any:
         return self._modules[FSDP_WRAPPED_MODULE].__getitem__(key)
