@@ -10,6 +10,7 @@ Rules (the kinds themselves are in ``state_dict.py``'s Note):
   every rank as plain tensors with their values.
 * S5/S7 offload: ``offload_to_cpu`` changes where SHARDED / LOCAL values live, never what they
   hold (same types, shard metadata and values as without it).
+* S17 use_orig_params=True: FULL / SHARDED keys and values are those of use_orig_params=False.
 * load errors: a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, a SHARDED dict
   with a mis-shaped parameter or (strict) a missing one, is refused on every rank with a message
   that names what is wrong (upstream's words or the implementation's own, both accepted: the
@@ -34,9 +35,13 @@ from conformance.checks._sd_models import (
     assert_loaded,
     broadcast_from_rank0,
     build,
+    expected_state_dict,
     first_error_everywhere,
+    full_params,
+    is_full_kind,
     plain_reference,
     require_kind,
+    train,
 )
 from conformance.registry import check
 
@@ -289,3 +294,45 @@ def load_errors(ctx, case):
     assert not missing, (
         f"{ctx.where()} {case}: message {type(exc).__name__}({str(exc)!r}) does not say "
         f"{missing} (it should name what is wrong)")
+
+
+# --------------------------------------------------------------------------- use_orig_params
+ORIG_PARAMS_CASES = {
+    "full": {"kind": "full", "config": {}},
+    "full-rank0_only": {"kind": "full", "config": {"rank0_only": True}},
+    "sharded": {"kind": "sharded", "config": {}},
+}
+
+
+@check(area=AREA, requires={base.FLAT_PARAM, base.TRAINING}, cases=ORIG_PARAMS_CASES)
+def orig_params_values(ctx, kind, config):
+    """S17: with ``use_orig_params=True``, after two training steps the FULL / SHARDED dict has
+    the keys of ``use_orig_params=False`` (the unwrapped model's) and the values of the unwrapped
+    model trained on the global batch; with rank0_only the other ranks get {}; it loads back."""
+    require_kind(ctx, kind)
+    ref = Net()
+    train(ref, ctx, local=True)
+    expected = expected_state_dict(ref)
+    model = build(ctx, use_orig_params=True)
+    train(model, ctx)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
+    flat_keys = set(ctx.impl.state_dict(build(ctx), kind))  # collective: on every rank
+    if config.get("rank0_only") and ctx.rank != 0:
+        assert sd == {}, f"{ctx.where()} rank0_only: expected {{}} on this rank, got keys {sorted(sd)[:6]}"
+    else:
+        assert_clean_keys(ctx, sd)
+        assert set(sd) == flat_keys == set(expected), (
+            f"{ctx.where()} use_orig_params {kind} keys {sorted(sd)}; use_orig_params=False "
+            f"{sorted(flat_keys)}; unwrapped {sorted(expected)}")
+        params = {n for n, _ in Net().named_parameters()}
+        for name, exp in expected.items():
+            assert_entry(ctx, name, sd[name], exp, full=name not in params or is_full_kind(ctx, kind),
+                         exact=False)
+    if config.get("rank0_only"):
+        sd = broadcast_from_rank0(ctx, sd)
+    dst = build(ctx, salt=1, use_orig_params=True)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
+    got = full_params(ctx, dst)
+    for name, value in got.items():
+        assert torch.allclose(value, expected[name], rtol=1e-4, atol=1e-5), (
+            f"{ctx.where()} after loading the {kind} dict with use_orig_params: {name} differs")
