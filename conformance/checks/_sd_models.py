@@ -121,12 +121,13 @@ def inputs(rank: int, batch: int = 2, step: int = 0, features: int = 4) -> torch
     return small_values((batch, features), salt=17 * step + 3 * rank + 5) * 2.0
 
 
-def train(model: nn.Module, ctx, steps: int = 2, lr: float = 0.1, local: bool = False) -> None:
-    """A few SGD steps. Sharded (``local=False``): each rank uses its own batch and the
-    implementation averages gradients. ``local=True``: an unwrapped copy trained on the global
-    batch (every rank's batch, concatenated) with the mean loss, which is what the sharded model
-    must compute."""
+def train(model: nn.Module, ctx, steps: int = 2, lr: float = 0.1, local: bool = False) -> list[torch.Tensor]:
+    """A few SGD steps; returns each step's loss (detached). Sharded (``local=False``): each rank
+    uses its own batch and the implementation averages gradients. ``local=True``: an unwrapped copy
+    trained on the global batch (every rank's batch, concatenated) with the mean loss, which is
+    what the sharded model must compute."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
     for step in range(steps):
         if local:
             x = torch.cat([inputs(r, step=step) for r in range(ctx.world_size)])
@@ -136,6 +137,8 @@ def train(model: nn.Module, ctx, steps: int = 2, lr: float = 0.1, local: bool = 
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
 
 
 def expected_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
