@@ -452,7 +452,8 @@ def _targets(ix: Index) -> list[str]:
     out += [
         "",
         "A target counts as met only if it holds in every measured case; ratios between "
-        "implementations come from separate tasks and carry the machine's noise. On CPU/gloo the "
+        "implementations come from separate tasks and carry the machine's noise, except the "
+        "paired ones (same task, alternating rounds), which still carry its spread. On CPU/gloo the "
         "copies of the path and the collective share the same cores, so the all-gather "
         "target is really a GPU target; and gloo's single large all-gather is not always a "
         "floor (several smaller all-gathers of the same bytes can beat it at 32-64 MiB, which "

@@ -7,7 +7,9 @@ Steps (each implementation on its own copy of the same parameters, one ``fully_s
   unshard that skips the collective and copies the all-gather inputs;
 * ``full_sd`` / ``full_sd_upstream``: ``get_model_state_dict(full_state_dict=True)``.
 The case reports ``unshard`` with ``unshard_upstream`` as its floor, so ``×floor`` is the
-implementation's time over upstream's in the same rounds.
+implementation's time over upstream's in the same rounds. Each path is measured on its own (two
+alternating steps, each run right after the other's): interleaving a heavy path with a light one
+would hand whichever step follows the heavy one a cold cache.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def fsdp2(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
         model.reshard()
         check_state_dict(ctx, get_model_state_dict(model, options=full), origs,
                          f"FULL state dict{suffix}")
-    steps = {}
-    for path in ("unshard", "full_sd"):
-        for suffix, m in models.items():
-            if path == "unshard":
-                steps[path + suffix] = Step(lambda _, m=m: (m.unshard(), m.reshard()))
-            else:
-                steps[path + suffix] = Step(lambda _, m=m: get_model_state_dict(m, options=full))
-    return {"times": measure(ctx, steps, quick=quick, **timing), "info": {}}
+    runs = {
+        "unshard": lambda m: (m.unshard(), m.reshard()),
+        "full_sd": lambda m: get_model_state_dict(m, options=full),
+    }
+    times = {}
+    for path, run in runs.items():  # one path at a time: each step always follows the other's
+        steps = {path + s: Step(lambda _, m=m, run=run: run(m)) for s, m in models.items()}
+        times.update(measure(ctx, steps, quick=quick, **timing))
+    return {"times": times, "info": {}}
