@@ -36,22 +36,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from reference.wrap._policies import (
-    _or_policy,
-    _Policy,
-    _recursive_wrap,
-    _wrap_module_cls_individually,
-)
-from reference.wrap._wrap_utils import (
-    _check_nested_wrapping,
-    _classes_present,
-    _has_fsdp_state,
-    _mixed_precision_classes_to_ignore,
-    _post_order_apply,
-    _run_mixed_precision_override_policy,
-    _validate_frozen_params,
-    _warn_on_overridden_mixed_precision,
-)
+from reference.wrap._policies import _Policy, _recursive_wrap
+from reference.wrap._wrap_utils import _decide_targets, _has_fsdp_state, _managed_params
 
 __all__ = ["WrapPlan", "WrapPlanEntry", "build_wrap_plan"]
 
@@ -127,71 +113,13 @@ def build_wrap_plan(
     )
     ignored_module_set = _get_ignored_modules(root, ignored_modules)
     ignored_param_set = _get_ignored_params(root, ignored_module_set, ignored_params)
-    _check_nested_wrapping(root)
-
-    mixed_precision = root_kwargs.get("mixed_precision")
-    classes_to_ignore = _mixed_precision_classes_to_ignore(mixed_precision)
-    if policy is None:
-        targets: dict[nn.Module, dict[str, Any]] = {}
-    elif isinstance(policy, _Policy):
-        base = {**root_kwargs, "auto_wrap_policy": None}
-        targets = policy._run_policy(root, ignored_module_set, base)
-        if mixed_precision is not None:
-            targets = _run_mixed_precision_override_policy(
-                root, classes_to_ignore, ignored_module_set, base, targets
-            )
-            _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
-        use_orig_params = root_kwargs.get("use_orig_params", False)
-        _validate_frozen_params(root, set(targets), ignored_param_set, use_orig_params)
-    else:
-        targets = _plan_callable_policy(
-            root, policy, ignored_module_set, ignored_param_set, root_kwargs, classes_to_ignore
-        )
-    targets.pop(root, None)  # the caller shards the root with its own kwargs
-
-    names = {m: n for n, m in root.named_modules()}
-    build_order: list[nn.Module] = []
-    _post_order_apply(root, lambda m: build_order.append(m) if m in targets else None)
-    build_order.append(root)
-
-    entries: list[WrapPlanEntry] = []
-    walked: set[nn.Module] = set()
-    claimed: set[nn.Parameter] = set(ignored_param_set)
-    for module in build_order:
-        fqns = _claim_params(module, names[module], walked, claimed)
-        kwargs = root_kwargs if module is root else targets[module]
-        entries.append(WrapPlanEntry(names[module], MappingProxyType(dict(kwargs)), fqns))
+    targets = _decide_targets(root, policy, ignored_module_set, ignored_param_set, root_kwargs)
+    entries = [
+        WrapPlanEntry(fqn, MappingProxyType(dict(targets.get(unit, root_kwargs))), tuple(managed))
+        for fqn, unit, managed in _managed_params(root, {*targets, root}, ignored_param_set)
+    ]
     ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
     return WrapPlan(tuple(entries), ignored_fqns)
-
-
-def _claim_params(
-    unit: nn.Module, prefix: str, walked: set[nn.Module], claimed: set[nn.Parameter]
-) -> tuple[str, ...]:
-    """FQNs of the parameters ``unit`` manages, in ``named_parameters()`` order.
-
-    Depth-first in registration order, not entering ``walked`` modules (earlier units'
-    subtrees), skipping ``claimed`` parameters; marks what it walks and claims. A parameter
-    registered under several names inside the unit gets the first one (as FSDP1 names it).
-    """
-    fqns: list[str] = []
-    stack = [(unit, prefix)]
-    while stack:
-        module, name = stack.pop()
-        if module in walked:
-            continue
-        walked.add(module)
-        for param_name, param in module.named_parameters(recurse=False):
-            if param not in claimed:
-                claimed.add(param)
-                fqns.append(f"{name}.{param_name}" if name else param_name)
-        children = [
-            (child, f"{name}.{child_name}" if name else child_name)
-            for child_name, child in module.named_children()
-            if child is not None
-        ]
-        stack.extend(reversed(children))  # pop() then yields them in registration order
-    return tuple(fqns)
 
 
 def _check_uniform(items: list, cls: type, message: str) -> None:
@@ -199,36 +127,6 @@ def _check_uniform(items: list, cls: type, message: str) -> None:
     if not all(isinstance(x, cls) for x in items):
         kinds = sorted({type(x) for x in items}, key=repr)
         raise ValueError(f"{message} but got types {kinds}")
-
-
-def _plan_callable_policy(
-    root: nn.Module,
-    policy: Callable,
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
-    root_kwargs: dict[str, Any],
-    classes_to_ignore: tuple[type[nn.Module], ...],
-) -> dict[nn.Module, dict[str, Any]]:
-    """Run :func:`_recursive_wrap` (children only) with a stand-in that records and returns the
-    module unchanged, so the walk, the counts and the kwargs are those of the real wrap."""
-    mp_override = root_kwargs.get("mixed_precision") is not None
-    if mp_override:
-        individually = functools.partial(
-            _wrap_module_cls_individually, module_classes=classes_to_ignore
-        )
-        policy = functools.partial(_or_policy, policies=[policy, individually])
-        _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
-    recorded: dict[nn.Module, dict[str, Any]] = {}
-
-    def record(module: nn.Module, **kwargs: Any) -> nn.Module:
-        if mp_override and isinstance(module, classes_to_ignore):
-            # Upstream replaces the module's `_wrap_overrides` with this one entry first.
-            kwargs = {**root_kwargs, "mixed_precision": None}
-        recorded.setdefault(module, kwargs)
-        return module
-
-    _recursive_wrap(root, policy, record, ignored_modules, ignored_params, True, **root_kwargs)
-    return recorded
 
 
 # ---------------------------------------------------------------------------------------------

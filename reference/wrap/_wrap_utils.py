@@ -19,7 +19,6 @@ in :mod:`reference.wrap`.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import sys
@@ -40,7 +39,7 @@ from reference.wrap._policies import (
 )
 
 
-# ---- Entry point ----------------------------------------------------------------------------
+# ---- Entry point and the decisions ----------------------------------------------------------
 def _auto_wrap(
     root_module: nn.Module,
     policy: Callable | _Policy,
@@ -54,47 +53,84 @@ def _auto_wrap(
     ``root_kwargs`` holds every constructor argument except the module, including
     ``"mixed_precision"`` (may be ``None``). ``fsdp_fn`` builds one unit: a wrapper class (FSDP1)
     or a function. For a ``_Policy`` the targets are built with ``auto_wrap_policy=None`` (key
-    ``"policy"`` when ``fsdp_fn`` is not a class) so they do not auto-wrap again; this key is
-    written into ``root_kwargs``. The root itself is never wrapped here.
+    ``"policy"`` when ``fsdp_fn`` is not a class) so they do not auto-wrap again. The units are
+    those of :func:`_decide_targets` (the wrap plan's too); the root itself is never wrapped here.
     """
-    mixed_precision = root_kwargs["mixed_precision"]
-    _check_nested_wrapping(root_module)
-    classes_to_ignore = _mixed_precision_classes_to_ignore(mixed_precision)
+    key = "auto_wrap_policy" if inspect.isclass(fsdp_fn) else "policy"
+    targets = _decide_targets(
+        root_module, policy, ignored_modules, ignored_params, root_kwargs, key
+    )
+    if root_kwargs["mixed_precision"] is not None:
+        classes = _mixed_precision_classes_to_ignore(root_kwargs["mixed_precision"])
+        _override_module_mixed_precision(root_module, classes)
+    _post_order_apply(root_module, _construct_wrap_fn(root_module, targets, fsdp_fn))
 
-    if isinstance(policy, _Policy):
-        root_kwargs["auto_wrap_policy" if inspect.isclass(fsdp_fn) else "policy"] = None
-        targets = policy._run_policy(root_module, ignored_modules, root_kwargs)
+
+def _decide_targets(
+    root: nn.Module,
+    policy: Callable | _Policy | None,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    policy_key: str = "auto_wrap_policy",
+) -> dict[nn.Module, dict[str, Any]]:
+    """Steps 1-4 of [Note: the order of events in _auto_wrap]: ``{unit: kwargs}`` for every
+    descendant FSDP1's auto-wrap builds (the root excluded), with every error and warning, and no
+    change to the model. The one place of the wrap decisions: :func:`_auto_wrap` applies them,
+    ``build_wrap_plan`` reports them."""
+    _check_nested_wrapping(root)
+    mixed_precision = root_kwargs.get("mixed_precision")
+    classes = _mixed_precision_classes_to_ignore(mixed_precision)
+    if policy is None:
+        targets: dict[nn.Module, dict[str, Any]] = {}
+    elif isinstance(policy, _Policy):
+        kwargs = {**root_kwargs, policy_key: None}
+        targets = policy._run_policy(root, ignored_modules, kwargs)
         if mixed_precision is not None:
             targets = _run_mixed_precision_override_policy(
-                root_module, classes_to_ignore, ignored_modules, root_kwargs, targets
+                root, classes, ignored_modules, kwargs, targets
             )
-            _warn_on_overridden_mixed_precision(_classes_present(root_module, classes_to_ignore))
-        _validate_frozen_params(
-            root_module, set(targets), ignored_params, root_kwargs.get("use_orig_params", False)
+            _warn_on_overridden_mixed_precision(_classes_present(root, classes))
+        use_orig_params = root_kwargs.get("use_orig_params", False)
+        _validate_frozen_params(root, set(targets), ignored_params, use_orig_params)
+    else:
+        targets = _callable_policy_targets(
+            root, policy, ignored_modules, ignored_params, root_kwargs, classes
         )
-        if mixed_precision is not None:
-            _override_module_mixed_precision(root_module, classes_to_ignore)
-        _post_order_apply(root_module, _construct_wrap_fn(root_module, targets, fsdp_fn))
-        return
+    targets.pop(root, None)  # the caller shards the root with its own kwargs
+    return targets
 
-    if mixed_precision is not None:
-        # Batch norms become their own units through an OR with a class policy; the cast hooks
-        # and the `_wrap_overrides` attribute (read by `_wrap`) supply the fp32 configuration.
-        overridden = _override_module_mixed_precision(root_module, classes_to_ignore)
+
+def _callable_policy_targets(
+    root: nn.Module,
+    policy: Callable,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    root_kwargs: dict[str, Any],
+    classes_to_ignore: tuple[type[nn.Module], ...],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Run :func:`_recursive_wrap` (children only) with a stand-in that records and returns the
+    module unchanged: the walk, the counts and the kwargs are those of wrapping during the walk,
+    since every count is taken before a child is wrapped. With mixed precision, the override's
+    classes are ORed into the policy and get ``mixed_precision=None`` (what their
+    ``_wrap_overrides`` gives the wrapping)."""
+    mp_override = root_kwargs.get("mixed_precision") is not None
+    if mp_override:
         individually = functools.partial(
             _wrap_module_cls_individually, module_classes=classes_to_ignore
         )
         policy = functools.partial(_or_policy, policies=[policy, individually])
-        _warn_on_overridden_mixed_precision(overridden)
-    _recursive_wrap(
-        module=root_module,
-        auto_wrap_policy=policy,
-        wrapper_cls=fsdp_fn,
-        ignored_modules=ignored_modules,
-        ignored_params=ignored_params,
-        only_wrap_children=True,
-        **root_kwargs,
-    )
+        _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
+    recorded: dict[nn.Module, dict[str, Any]] = {}
+
+    def record(module: nn.Module, **kwargs: Any) -> nn.Module:
+        if mp_override and isinstance(module, classes_to_ignore):
+            kwargs = {**root_kwargs, "mixed_precision": None}
+        recorded.setdefault(module, kwargs)
+        return module
+
+    _recursive_wrap(root, policy, record, ignored_modules, ignored_params, True, **root_kwargs)
+    return recorded
 
 
 # ---- Post-order application (the `_Policy` path; also reused by activation checkpointing) ---
@@ -300,33 +336,26 @@ def _cast_outputs_back(module: nn.Module, args: Any, output: Any) -> Any:
     return tree_map_only(torch.Tensor, cast, output)
 
 
-# ---- W12: uniformly frozen parameters per unit ----------------------------------------------
+# ---- W12: uniformly frozen parameters per unit; what each unit manages ----------------------
 def _validate_frozen_params(
     root_module: nn.Module,
     modules_to_wrap: set[nn.Module],
     ignored_params: set[nn.Parameter],
     use_orig_params: bool,
 ) -> None:
-    """Each module in ``modules_to_wrap`` must manage only frozen or only trainable parameters.
-
-    "Manages" = its subtree's parameters minus ignored ones and minus those managed by a
-    module-to-wrap met earlier in post-order (:func:`_get_post_order_named_modules`). The first
-    violating module (in that order) raises ``ValueError`` when ``use_orig_params`` is false; with
-    ``use_orig_params`` every violating module gets a ``UserWarning`` instead.
-    """
-    visited: set[nn.Module] = set()
-    for name, module in _get_post_order_named_modules(root_module):
-        if module not in modules_to_wrap:
-            continue
-        managed = _get_managed_param_to_fqn(module, ignored_params, visited, name)
-        trainable = [fqn for p, fqn in managed.items() if p.requires_grad]
-        frozen = [fqn for p, fqn in managed.items() if not p.requires_grad]
+    """Each module in ``modules_to_wrap`` must manage only frozen or only trainable parameters
+    (what it manages: :func:`_managed_params`). The first violating module in build order raises
+    ``ValueError`` when ``use_orig_params`` is false; with ``use_orig_params`` every violating
+    module gets a ``UserWarning`` instead."""
+    for name, _, managed in _managed_params(root_module, modules_to_wrap, ignored_params):
+        trainable = [fqn for fqn, p in managed.items() if p.requires_grad]
+        frozen = [fqn for fqn, p in managed.items() if not p.requires_grad]
         if not trainable or not frozen:
             continue
         msg = f"{name} has both parameters with requires_grad=True and False."
         if use_orig_params:
-            total = sum(p.numel() for p in managed)
-            nonfrozen = sum(p.numel() for p in managed if p.requires_grad)
+            total = sum(p.numel() for p in managed.values())
+            nonfrozen = sum(p.numel() for p in managed.values() if p.requires_grad)
             msg += (
                 " We do not recommend wrapping such modules since the gradient memory usage will "
                 f"be higher than expected ({total} numel instead of {nonfrozen} numel before "
@@ -344,49 +373,45 @@ def _validate_frozen_params(
         warnings.warn(msg, stacklevel=3)
 
 
-def _get_post_order_named_modules(root_module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(fqn, module)`` children-first with siblings in registration order, each module once.
+def _managed_params(
+    root: nn.Module, units: set[nn.Module], ignored_params: set[nn.Parameter]
+) -> list[tuple[str, nn.Module, dict[str, nn.Parameter]]]:
+    """``(fqn, unit, {param fqn: param})`` for each module of ``units`` in build order (children
+    first, siblings in registration order, a module reachable along several paths once, at its
+    first name): the parameters it manages, those of its subtree minus ignored ones and minus
+    those of earlier units' subtrees (which it does not enter)."""
+    names = {m: n for n, m in root.named_modules()}
+    order: list[nn.Module] = []
+    _post_order_apply(root, lambda m: order.append(m) if m in units else None)
+    walked: set[nn.Module] = set()
+    claimed = set(ignored_params)
+    return [(names[m], m, _claim_params(m, names[m], walked, claimed)) for m in order]
 
-    Built as the reverse of a stack-based pre-order that pushes children in registration order;
-    a module shared between paths keeps the name of the first path pushed.
+
+def _claim_params(
+    unit: nn.Module, prefix: str, walked: set[nn.Module], claimed: set[nn.Parameter]
+) -> dict[str, nn.Parameter]:
+    """FQN -> parameter for what ``unit`` manages, in ``named_parameters()`` order.
+
+    Depth-first in registration order, not entering ``walked`` modules (earlier units'
+    subtrees), skipping ``claimed`` parameters; marks what it walks and claims. A parameter
+    registered under several names inside the unit gets the first one (as FSDP1 names it).
     """
-    seen = {root_module}
-    stack = [("", root_module)]
-    pre_order: list[tuple[str, nn.Module]] = []
+    result: dict[str, nn.Parameter] = {}
+    stack = [(unit, prefix)]
     while stack:
-        name, module = stack.pop()
-        pre_order.append((name, module))
-        for child_name, child in module.named_children():
-            if child is None or child in seen:
-                continue
-            seen.add(child)
-            stack.append((f"{name}.{child_name}" if name else child_name, child))
-    return pre_order[::-1]
-
-
-def _get_managed_param_to_fqn(
-    module_to_wrap: nn.Module,
-    ignored_params: set[nn.Parameter],
-    visited_modules: set[nn.Module],
-    root_prefix: str,
-) -> dict[nn.Parameter, str]:
-    """Parameters ``module_to_wrap`` would manage, mapped to their FQN from the root.
-
-    Walks the subtree breadth-first without entering modules in ``visited_modules`` (the units
-    built before this one), adding every walked module to it. Call it in post-order over the
-    modules to wrap: then each parameter is returned by exactly one call.
-    """
-    result: dict[nn.Parameter, str] = {}
-    visited_modules.add(module_to_wrap)
-    queue = collections.deque([(module_to_wrap, root_prefix)])
-    while queue:
-        module, prefix = queue.popleft()
+        module, name = stack.pop()
+        if module in walked:
+            continue
+        walked.add(module)
         for param_name, param in module.named_parameters(recurse=False):
-            if param not in ignored_params:
-                result[param] = f"{prefix}.{param_name}" if prefix else param_name
-        for child_name, child in module.named_children():
-            if child is None or child in visited_modules:
-                continue
-            visited_modules.add(child)
-            queue.append((child, f"{prefix}.{child_name}" if prefix else child_name))
+            if param not in claimed:
+                claimed.add(param)
+                result[f"{name}.{param_name}" if name else param_name] = param
+        children = [
+            (child, f"{name}.{child_name}" if name else child_name)
+            for child_name, child in module.named_children()
+            if child is not None
+        ]
+        stack.extend(reversed(children))  # pop() then yields them in registration order
     return result

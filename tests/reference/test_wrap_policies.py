@@ -633,7 +633,7 @@ def test_w12_post_order_named_modules():
     m = nn.Module()
     m.S1, m.S2, m.S3 = nn.Linear(1, 1), nn.Module(), nn.Linear(1, 1)
     m.S2.SS1, m.S2.SS2 = nn.Linear(1, 1), nn.Linear(1, 1)
-    names = [n for n, _ in wu._get_post_order_named_modules(m)]
+    names = [n for n, _, _ in wu._managed_params(m, set(m.modules()), set())]
     assert names == ["S1", "S2.SS1", "S2.SS2", "S2", "S3", ""]
 
 
