@@ -66,6 +66,8 @@ class FlatParamAdapter(NamespaceImplementation):
         if options.get("ignored_modules"):
             kwargs["ignored_modules"] = options["ignored_modules"]
         if options.get("mesh") is not None:
+            if options["mesh"].ndim != 1:
+                raise NotSupported("a 2-D mesh (FSDP1's HYBRID_SHARD) in this adapter")
             kwargs["device_mesh"] = options["mesh"]
         entries = plan_entries(plan)
         root_extra = dict(entries[-1][1]) if entries[-1][0] == "" else {}
