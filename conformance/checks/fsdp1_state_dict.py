@@ -10,6 +10,8 @@ Rules (the kinds themselves are in ``state_dict.py``'s Note):
   every rank as plain tensors with their values.
 * S5/S7 offload: ``offload_to_cpu`` changes where SHARDED / LOCAL values live, never what they
   hold (same types, shard metadata and values as without it).
+* S1/S14 prefixes: ``state_dict(prefix=...)`` and a plain parent put every entry under the prefix
+  and a dict saved that way loads back.
 * S17 use_orig_params=True: FULL / SHARDED keys and values are those of use_orig_params=False.
 * load errors: a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, a SHARDED dict
   with a mis-shaped parameter or (strict) a missing one, is refused on every rank with a message
@@ -336,3 +338,41 @@ def orig_params_values(ctx, kind, config):
     for name, value in got.items():
         assert torch.allclose(value, expected[name], rtol=1e-4, atol=1e-5), (
             f"{ctx.where()} after loading the {kind} dict with use_orig_params: {name} differs")
+
+
+# ---------------------------------------------------------------------------------- prefixes
+PREFIX_CASES = {k: {"kind": k} for k in ("full", "sharded", "local")}
+_TYPE_NAME = {"full": "FULL_STATE_DICT", "sharded": "SHARDED_STATE_DICT", "local": "LOCAL_STATE_DICT"}
+
+
+@check(area=AREA, requires={base.FSDP1_API}, cases=PREFIX_CASES)
+def prefixed_keys(ctx, kind):
+    """S1/S14: ``state_dict(prefix="foo.")`` gives the unprefixed dict's entries under "foo."; a
+    plain root holding the FSDP model under ``fsdp`` saves every entry under "fsdp." and that dict
+    loads into a fresh plain root (the hooks strip and re-add the prefix)."""
+    require_kind(ctx, kind)
+    ns = ctx.impl.ns
+    model = build(ctx)
+    plain = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
+    with ns.FullyShardedDataParallel.state_dict_type(model, getattr(ns.StateDictType, _TYPE_NAME[kind])):
+        prefixed = first_error_everywhere(ctx, lambda: model.state_dict(prefix="foo."))
+    want = {f"foo.{k}" for k in plain}
+    assert set(prefixed) == want, (
+        f"{ctx.where()} {kind} state_dict(prefix='foo.') keys: extra {sorted(set(prefixed) - want)}, "
+        f"missing {sorted(want - set(prefixed))}")
+    for key, value in plain.items():
+        for a, b in zip(_local_tensors(prefixed[f"foo.{key}"]), _local_tensors(value)):
+            assert torch.equal(a.cpu(), b.cpu()), f"{ctx.where()} {kind} foo.{key}: value differs"
+
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(NonFsdpRoot(ctx), kind))
+    want = {f"fsdp.{k}" for k in plain} | {"plain.weight", "plain.bias"}
+    assert set(sd) == want, (
+        f"{ctx.where()} {kind} keys under a plain root: extra {sorted(set(sd) - want)}, missing "
+        f"{sorted(want - set(sd))}")
+    dst = NonFsdpRoot(ctx, salt=1)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
+    expected = NonFsdpRoot.expected()
+    assert_loaded(ctx, dst.fsdp, plain_reference(Net, 0), f"after loading a {kind} dict under 'fsdp.'")
+    for name in ("plain.weight", "plain.bias"):
+        got = dst.get_parameter(name).detach().cpu()
+        assert torch.equal(got, expected[name]), f"{ctx.where()} {name} after load: {got.tolist()}"
