@@ -162,10 +162,11 @@ class FSDPParam:
         self.sharded_state = ShardedState.SHARDED
 
     def _init_sharding_spec(self, param: nn.Parameter) -> DTensorSpec:
-        """The sharded parameter's spec (see [Note: meshes]): ``(Shard(d),)`` on the FSDP mesh,
-        after ``Replicate()`` for HSDP; a TP ``DTensor``'s TP placements follow on the concatenated
-        (dp, tp) mesh, and its FSDP placement is ``_StridedShard(d, split_factor=<TP shards on
-        d>)`` when TP already shards dim ``d``. The global size and stride stay the original's."""
+        """The sharded parameter's spec ([Note: meshes], [Note: tensor parallel]): ``(Shard(d),)``
+        on the FSDP mesh, after ``Replicate()`` for HSDP; a TP ``DTensor``'s TP placements follow
+        on the concatenated (dp, tp) mesh, and its FSDP placement is ``_StridedShard(d,
+        split_factor=<TP shards on d>)`` when TP already shards dim ``d``. The global size and
+        stride stay the original's."""
         dp_placements = (Replicate(),) if isinstance(self.mesh_info, HSDPMeshInfo) else ()
         if self._tp_spec is None:
             meta = TensorMeta(param.size(), param.stride(), param.dtype)
