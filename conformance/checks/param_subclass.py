@@ -190,8 +190,10 @@ def drive(ctx, cls: type[StrictTensor], uneven: bool) -> None:
 @check(area="param_subclass", requires={base.EXTENSIONS, base.TRAINING, base.FSDP2_API},
        cases=CASES)
 def train_strict_subclass(ctx, cls, uneven):
-    """A parameter subclass with the extension hooks that implements only the ops upstream FSDP2
-    uses on it trains, steps and round-trips its state dict like the plain model (P14)."""
+    """A parameter subclass with only the ops upstream uses on it trains like the oracle (P14).
+
+    It implements the extension hooks (one or two all-gather inputs) and refuses every other op
+    (the Note); gradients, stepped values, the state dict and a loaded copy equal the oracle's."""
     StrictTensor.allowed = allowed_ops(_rows(ctx.world_size, uneven), ctx.world_size)
     try:
         drive(ctx, cls, uneven)

@@ -137,9 +137,11 @@ def _train(ctx, model, oracle, dim, steps=STEPS):
 @check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.FSDP2_API},
        world_sizes=(4,), cases=CASES)
 def layout(ctx, dim, hidden):
-    """On a 2x2 (dp, tp) mesh each parameter is a DTensor on the 2-D mesh with placements (dp, tp)
-    (``_StridedShard`` on a TP-sharded dim 0), its local shard is the dp chunk of the TP-local
-    tensor, and ``full_tensor()`` equals the original (P15)."""
+    """FSDP over TP parameters: (dp, tp) placements, dp chunk of the TP-local tensor (P15).
+
+    Each parameter is a DTensor on the 2-D mesh with the Note's placements (``_StridedShard`` where
+    TP split dim 0), its local shard is the dp chunk of the TP-local tensor, and ``full_tensor()``
+    equals the original."""
     model, oracle, _ = _build(ctx, dim, hidden)
     _check_values(ctx, "after fully_shard", dict(model.named_parameters()), oracle)
 
@@ -147,8 +149,10 @@ def layout(ctx, dim, hidden):
 @check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
        world_sizes=(4,), cases=CASES)
 def train_parity(ctx, dim, hidden):
-    """FSDP over TP trains like the plain model on the whole batch: equal losses, gathered
-    gradients (the dp average) and parameters after several SGD steps, layout unchanged (P15)."""
+    """FSDP over TP trains like the plain model on the whole batch (P15, P6).
+
+    Equal losses, gathered gradients (the dp average) and parameters after several SGD steps;
+    the layout stays that of the Note."""
     model, oracle, _ = _build(ctx, dim, hidden)
     _train(ctx, model, oracle, dim)
     _check_values(ctx, f"after {STEPS} steps", dict(model.named_parameters()), oracle)
@@ -157,9 +161,10 @@ def train_parity(ctx, dim, hidden):
 @check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
        world_sizes=(4,), cases=CASES)
 def state_dict_round_trip(ctx, dim, hidden):
-    """``state_dict()`` of a trained FSDP+TP model holds DTensors on the 2-D mesh with the layout
-    rule's placements and values; loading it into a fresh FSDP+TP model reproduces the values and
-    the forward (P15, P8)."""
+    """An FSDP+TP state dict holds the 2-D DTensors and round-trips (P15, P8).
+
+    ``state_dict()`` of a trained model holds DTensors on the 2-D mesh with the Note's placements
+    and the oracle's values; loading it into a fresh FSDP+TP model reproduces values and forward."""
     model, oracle, _ = _build(ctx, dim, hidden)
     _train(ctx, model, oracle, dim, steps=1)
     state_dict = model.state_dict()
@@ -175,9 +180,10 @@ def state_dict_round_trip(ctx, dim, hidden):
 @check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.RESHARD_AFTER_FORWARD,
                                           base.FSDP2_API}, world_sizes=(4,))
 def no_smaller_mesh_reshard(ctx):
-    """Resharding DTensor (TP) parameters after forward onto a smaller dp group is refused with
-    ``NotImplementedError`` (P3); with dp = 2 an int ``reshard_after_forward`` can only be 1 or 2,
-    so the check reshards onto 2 of 4 ranks of a (dp=4, tp=1) mesh."""
+    """Resharding TP parameters after forward to a smaller mesh raises NotImplementedError (P3).
+
+    With dp = 2 an int ``reshard_after_forward`` can only be 1 or 2 (no smaller group), so the
+    check reshards onto 2 of 4 ranks of a (dp=4, tp=1) mesh."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = ctx.make_mesh((4, 1), ("dp", "tp"))
