@@ -29,8 +29,9 @@ DEFAULT_IMPLS = ("reference", "torch-fsdp2", "torch-fsdp1", "reference-fsdp1")
 OPTIONAL_IMPLS = {"reference", "reference-fsdp1"}  # dropped with a note while not importable
 FULL_SIZES = {"large": (1, 8, 64), "small": (1, 4), "uneven": (1, 32)}
 # The DCP helpers cost ~10 ms per parameter and call on 2 CPU cores: the many-small set at 4 MiB
-# (256 parameters) alone would take minutes per implementation, so state dicts stop at this size
-# for it (override with --sizes, which applies to every area as given).
+# (256 parameters) alone would take minutes per implementation, so state dicts (and the paired
+# area, which measures one) stop at this size for it (override with --sizes, which applies to every
+# area as given).
 STATE_DICT_SMALL_MAX_MB = 1
 QUICK_SIZES = {"small": (0.25,), "uneven": (1,)}  # every path once; "large" is the easy case
 BASELINE = "baseline"  # impl column of the harness-only floors (no implementation involved)
@@ -148,7 +149,7 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
         for shape_set, sizes in perf.sizes.items():
             for size in sizes:
                 if (
-                    area == "state_dict"
+                    area in ("state_dict", "paired")
                     and shape_set == "small"
                     and not perf.sizes_given
                     and size > STATE_DICT_SMALL_MAX_MB
