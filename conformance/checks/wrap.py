@@ -729,15 +729,20 @@ W8_CASES = {
                                          "bn_container.sync_bn", "bn_container", "")),
     # the container policy alone: the norm layers stay inside the container's unit
     "container-alone": ("container", False, ("bn_container", "")),
+    # W9: a ModuleWrapPolicy used as the container callable inside _or_policy: as container-or
+    "module-policy-or": ("container", "module-policy", ("bn_container.bn1", "bn_container.bn2",
+                                                        "bn_container.bn3", "bn_container.sync_bn",
+                                                        "bn_container", "")),
 }
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API},
        cases={k: {"case": k} for k in W8_CASES})
 def fsdp1_or_policy_units(ctx, case):
-    """W8: FSDP1 with ``_or_policy`` / the per-class helper as ``auto_wrap_policy`` builds exactly
-    the expected units: every norm layer its own unit, ``lin`` never; a container policy OR'd
-    with the per-class helper nests the norm units inside the container's unit."""
+    """W8/W9: FSDP1 with ``_or_policy`` / the per-class helper as ``auto_wrap_policy`` builds
+    exactly the expected units: every norm layer its own unit, ``lin`` never; a container policy
+    (a function or a ModuleWrapPolicy as a callable) OR'd with the per-class helper nests the norm
+    units inside the container's unit."""
     ns = ctx.impl.ns
     or_policy = _wrap_api(ctx, "_or_policy")
     per_class = functools.partial(_wrap_api(ctx, "_wrap_module_cls_individually"),
@@ -752,6 +757,8 @@ def fsdp1_or_policy_units(ctx, case):
         policy = functools.partial(or_policy, policies=[_never, per_class]) if with_or else per_class
     else:
         model = zoo.BatchNormContainer()
+        if with_or == "module-policy":
+            container_policy = ns.wrap.ModuleWrapPolicy({zoo.BatchNormNet})
         policy = (functools.partial(or_policy, policies=[container_policy, per_class]) if with_or
                   else container_policy)
     with warnings.catch_warnings():
@@ -917,3 +924,42 @@ def fsdp1_batch_norm_override_forward(ctx, never):
     assert bn_out == [FP16], f"{ctx.where()} W11 the batch norm's output was {bn_out}, expected [float16] (cast back)"
     assert out.dtype == FP16, f"{ctx.where()} W11 output dtype {out.dtype}, expected float16"
     out.float().sum().backward()
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
+def policy_callables(ctx):
+    """W1/W9: the callable policies answer the recurse and wrap questions directly:
+    size-based(40) is False at 39 and True at 40 for both, never recurses into a force leaf
+    (MultiheadAttention) nor wraps an excluded container (ModuleList); ModuleWrapPolicy /
+    transformer_auto_wrap_policy say True to recurse and isinstance to wrap; lambda_auto_wrap_policy
+    recurses always and wraps where its function says; always_wrap_policy always says True;
+    ModuleWrapPolicy's repr ends with its class set in parentheses."""
+    W = ctx.impl.ns.wrap
+    lin, mha, mlist = nn.Linear(2, 2), nn.MultiheadAttention(4, 1), nn.ModuleList([nn.Linear(2, 2)])
+    size40 = functools.partial(W.size_based_auto_wrap_policy, min_num_params=40)
+    module_policy = W.ModuleWrapPolicy({nn.Linear})
+    transformer = functools.partial(W.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    lam = functools.partial(W.lambda_auto_wrap_policy, lambda_fn=lambda m: m is lin)
+    cases = [
+        ("size_based(40)", size40, lin, True, 39, False), ("size_based(40)", size40, lin, True, 40, True),
+        ("size_based(40)", size40, lin, False, 39, False), ("size_based(40)", size40, lin, False, 40, True),
+        ("size_based(40)", size40, mha, True, 400, False), ("size_based(40)", size40, mha, False, 400, True),
+        ("size_based(40)", size40, mlist, True, 400, True), ("size_based(40)", size40, mlist, False, 400, False),
+        ("ModuleWrapPolicy", module_policy, mha, True, 0, True),
+        ("ModuleWrapPolicy", module_policy, lin, False, 0, True),
+        ("ModuleWrapPolicy", module_policy, mha, False, 0, False),
+        ("transformer", transformer, mha, True, 0, True), ("transformer", transformer, lin, False, 0, True),
+        ("transformer", transformer, mha, False, 0, False),
+        ("lambda", lam, mha, True, 0, True), ("lambda", lam, lin, False, 0, True),
+        ("lambda", lam, mha, False, 0, False),
+        ("always", W.always_wrap_policy, mha, False, 0, True),
+    ]
+    for name, policy, module, recurse, numel, want in cases:
+        got = policy(module=module, recurse=recurse, nonwrapped_numel=numel)
+        assert bool(got) is want and isinstance(got, bool), (
+            f"{ctx.where()} {name}({type(module).__name__}, recurse={recurse}, nonwrapped_numel="
+            f"{numel}) = {got!r}, expected {want}")
+    tail = f"({ {nn.Linear} })"
+    assert repr(module_policy).endswith(tail), (
+        f"{ctx.where()} W9 repr(ModuleWrapPolicy({{Linear}})) = {module_policy!r}, expected it to end "
+        f"with {tail!r}")
