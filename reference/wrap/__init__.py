@@ -12,24 +12,15 @@ the ones before it:
 This part imports neither FSDP implementation; it recognises their modules by class lookup only.
 """
 
-# ruff: noqa: F401 (this module re-exports the names of its three modules)
+# ruff: noqa: F401, F403 (this module re-exports the names of its three modules)
 
+from reference.wrap._policies import *
 from reference.wrap._policies import (
-    CustomPolicy,
-    ModuleWrapPolicy,
-    _ConfigAutoWrap,
-    _module_wrap_policy,
+    __all__,
     _or_policy,
     _Policy,
     _recursive_wrap,
-    _wrap,
     _wrap_module_cls_individually,
-    always_wrap_policy,
-    enable_wrap,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-    wrap,
 )
 from reference.wrap._wrap_plan import WrapPlan, WrapPlanEntry, build_wrap_plan
 from reference.wrap._wrap_utils import (
@@ -37,14 +28,3 @@ from reference.wrap._wrap_utils import (
     _post_order_apply,
     _run_mixed_precision_override_policy,
 )
-
-__all__ = [
-    "CustomPolicy",
-    "ModuleWrapPolicy",
-    "always_wrap_policy",
-    "enable_wrap",
-    "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-    "wrap",
-]

@@ -77,9 +77,7 @@ def _module_wrap_policy(
     module_classes: Iterable[type[nn.Module]],
 ) -> bool:
     """Callable policy: always look inside; wrap exactly the instances of ``module_classes``."""
-    if recurse:
-        return True
-    return isinstance(module, tuple(module_classes))
+    return _wrap_module_cls_individually(module, module_classes, recurse)
 
 
 class ModuleWrapPolicy(_Policy):
@@ -250,9 +248,6 @@ class _ConfigAutoWrap:
     wrapper_cls: ClassVar[Callable | None] = None  # what wrap() builds, e.g. an FSDP class
     kwargs: ClassVar[dict[str, Any]] = {}  # the context's kwargs for every wrap() call
 
-    def __init__(self, **kwargs: Any):
-        self._context_kwargs = kwargs  # what __enter__ installs, "wrapper_cls" included
-
     @staticmethod
     def enable_autowrap_context(kwargs: dict[str, Any]) -> None:
         if _ConfigAutoWrap.in_autowrap_context:
@@ -273,12 +268,6 @@ class _ConfigAutoWrap:
         _ConfigAutoWrap.wrapper_cls = None
         _ConfigAutoWrap.kwargs = {}
 
-    def __enter__(self) -> None:
-        self.enable_autowrap_context(self._context_kwargs)
-
-    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        self.disable_autowrap_context()
-
 
 @contextlib.contextmanager
 def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, None, None]:
@@ -287,8 +276,11 @@ def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, N
     Entering a second context while one is active raises ``NotImplementedError`` (the outer one
     stays active).
     """
-    with _ConfigAutoWrap(wrapper_cls=wrapper_cls, **wrapper_kwargs):
+    _ConfigAutoWrap.enable_autowrap_context({"wrapper_cls": wrapper_cls, **wrapper_kwargs})
+    try:
         yield
+    finally:
+        _ConfigAutoWrap.disable_autowrap_context()
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:

@@ -6,15 +6,18 @@ in :mod:`reference.wrap`.
 
 [Note: the order of events in _auto_wrap]
   1. Refuse a tree in which some module already has FSDP applied (W6).
-  2. Decide the targets and their kwargs (a ``_Policy`` at once; a callable policy during the
-     walk of step 5).
+  2. Decide the targets and their kwargs: a ``_Policy`` at once; a callable policy by running
+     ``_recursive_wrap`` with a recording stand-in for the wrapper (the counts it compares are
+     taken before any child is wrapped, so recording decides what wrapping during the walk would).
   3. With mixed precision set, every instance of ``_module_classes_to_ignore`` (batch norm by
-     default) becomes a target with ``mixed_precision=None`` and fp32 cast hooks (W11).
+     default) becomes a target with ``mixed_precision=None`` (W11).
   4. ``_Policy`` path only: check that each target's parameters are uniformly frozen (W12).
-  5. Build the units children-first; the root is left to the caller.
-  Everything that can reject the input (1, 2 for ``_Policy``, 4) runs before the first change to
-  the model, so a rejected call leaves the model as it was. (Upstream attaches the cast hooks of
-  step 3 before step 4; here they are attached after it. The warnings keep upstream's order.)
+  5. Attach the fp32 cast hooks of step 3, then build the units children-first; the root is left
+     to the caller.
+  Steps 1-4 are :func:`_decide_targets`, shared with ``build_wrap_plan``: everything that can reject
+  the input runs before the first change to the model, so a rejected call leaves the model as it
+  was. (Upstream attaches the cast hooks before step 4 and wraps a callable policy's targets during
+  its walk; the warnings keep upstream's order.)
 """
 
 from __future__ import annotations
@@ -348,8 +351,10 @@ def _validate_frozen_params(
     ``ValueError`` when ``use_orig_params`` is false; with ``use_orig_params`` every violating
     module gets a ``UserWarning`` instead."""
     for name, _, managed in _managed_params(root_module, modules_to_wrap, ignored_params):
-        trainable = [fqn for fqn, p in managed.items() if p.requires_grad]
-        frozen = [fqn for fqn, p in managed.items() if not p.requires_grad]
+        # upstream lists them breadth-first: depth-first order, stably sorted by depth
+        by_depth = sorted(managed.items(), key=lambda item: item[0].count("."))
+        trainable = [fqn for fqn, p in by_depth if p.requires_grad]
+        frozen = [fqn for fqn, p in by_depth if not p.requires_grad]
         if not trainable or not frozen:
             continue
         msg = f"{name} has both parameters with requires_grad=True and False."
