@@ -85,11 +85,9 @@ IN_SAVE_JOB = False  # True in a save job's rank (lets a self-test fault hit onl
 
 
 def _job_context():
-    import multiprocessing
+    from conformance.runner import lifeline
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_JOB_PRELOAD)
-    return context
+    return lifeline.forkserver_context(_JOB_PRELOAD)
 
 
 def _produce(ctx, spec: str, w1: int, directory: Path, deadline: float) -> None:

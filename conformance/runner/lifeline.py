@@ -4,9 +4,11 @@
 * Each worker makes itself the leader of a new process group; the driver ends a worker by killing
   that whole group, so whatever the worker started (a save job, a check's own subprocess) goes too.
   Ctrl-C and SIGTERM in the driver end in that kill (the plugin turns SIGTERM into an interrupt).
-* Each worker and each save job asks the kernel for SIGKILL when its parent dies
-  (``PR_SET_PDEATHSIG``, Linux), and exits at once if the parent is already gone by the time it
-  asks (the driver may die while the child is still importing). This covers a SIGKILL of the driver.
+* Workers are forked from the driver's ``multiprocessing`` forkserver (started once per run with
+  torch imported, so a group starts in a fraction of a second), which exits when the driver dies.
+  Each worker and each save job asks the kernel for SIGKILL when its parent dies
+  (``PR_SET_PDEATHSIG``, Linux), and exits at once if the driver is already gone by the time it
+  asks. This covers a SIGKILL of the driver, also during start-up.
 * A worker also runs a watchdog thread that waits for end-of-file on a pipe only the driver holds
   (``multiprocessing``'s parent sentinel) and then kills its own process group: the fallback where
   ``PR_SET_PDEATHSIG`` does not exist.
@@ -20,25 +22,49 @@
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import re
 import shutil
 import signal
 import tempfile
 import threading
+from multiprocessing.connection import wait
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
-    """SIGKILL this process when its parent exits; exit now if ``parent_pid`` is already gone."""
+    """SIGKILL this process when its parent exits, and exit now if the parent is already gone (it
+    may have died before the request was made): the process ``parent_pid``, else the
+    ``multiprocessing`` parent, whose pipe ``parent_process().sentinel`` ends when it dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the watchdog and the driver's kill remain
         pass
-    if parent_pid is not None and os.getppid() != parent_pid:
+    parent = multiprocessing.parent_process()
+    if parent_pid is not None:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    elif parent is not None and wait([parent.sentinel], timeout=0):
         os._exit(1)
+
+
+STARTER_ENV = "FSDP_CONFORMANCE_FORKSERVER_STARTER"  # pid of the process starting a forkserver
+
+
+def forkserver_context(preload: list[str]):
+    """``multiprocessing``'s forkserver context, its server importing ``preload`` once; the
+    server dies with this process (``conformance.runner.forkserver_guard``). Falls back to
+    ``spawn`` where there is no forkserver."""
+    try:
+        context = multiprocessing.get_context("forkserver")
+    except ValueError:
+        return multiprocessing.get_context("spawn")
+    os.environ[STARTER_ENV] = str(os.getpid())
+    context.set_forkserver_preload(["conformance.runner.forkserver_guard", *preload])
+    return context
 
 
 def lead_process_group() -> None:
@@ -49,12 +75,15 @@ def lead_process_group() -> None:
         pass
 
 
-def watch_parent(sentinel) -> None:
-    """Start a daemon thread that kills this process's group once ``sentinel`` reports EOF."""
-    from multiprocessing.connection import wait
+def watch_parent() -> None:
+    """Start a daemon thread that kills this process's group once its ``multiprocessing`` parent
+    (the driver) is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
 
     def watchdog():
-        wait([sentinel])
+        wait([parent.sentinel])
         if os.getpgrp() == os.getpid():  # never the driver's group (it may hold a shell pipeline)
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(1)

@@ -20,7 +20,6 @@ directory is removed with them.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -94,7 +93,7 @@ class WorkerGroup:
         from conformance.runner import lifeline
 
         self._stack_dir = lifeline.temp_dir(f"ws{self.world_size}")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         _LIVE_GROUPS.add(self)
         for rank in range(self.world_size):
@@ -111,7 +110,6 @@ class WorkerGroup:
                     self._stack_path(rank),
                     self.threads_per_rank,
                     self.start_timeout,
-                    os.getpid(),
                 ),
                 name=f"fsdp-conformance-rank{rank}",
                 daemon=True,
@@ -287,6 +285,28 @@ class WorkerGroup:
 
     def _stack_path(self, rank: int) -> str:
         return os.path.join(self._stack_dir, f"rank{rank}.stacks")
+
+
+# Imported once by the forkserver the workers are forked from (see _context).
+_WORKER_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch._dynamo",  # imported by the first fully_shard call otherwise (1-2 s per process)
+    "conformance.runner.worker",
+    "conformance.runner.execute",
+]
+
+
+def _context():
+    """Workers are forked from ``multiprocessing``'s forkserver, started once per driver with
+    torch and the distributed packages imported: a group of N ranks then starts in about the time
+    of its rendezvous, not N fresh interpreters importing torch (seconds each, and ranks share the
+    cores). The forkserver never initialises a device or a process group, so forking it is safe."""
+    from conformance.runner import lifeline
+
+    return lifeline.forkserver_context(_WORKER_PRELOAD)
 
 
 def _worker_entry(*args) -> None:

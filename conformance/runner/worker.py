@@ -30,15 +30,13 @@ def worker_main(
     stack_path: str,
     threads: int,
     init_timeout: float,
-    driver_pid: int | None = None,
 ) -> None:
-    lifeline.die_with_parent(driver_pid)
+    lifeline.die_with_parent()
     lifeline.lead_process_group()
-    if multiprocessing.parent_process() is not None:
-        lifeline.watch_parent(multiprocessing.parent_process().sentinel)
-        # The driver starts workers as daemons (never joined at its exit); a check may still start
-        # processes of its own with multiprocessing (the save jobs), which daemons may not.
-        multiprocessing.current_process().daemon = False
+    lifeline.watch_parent()
+    # The driver starts workers as daemons (never joined at its exit); a check may still start
+    # processes of its own with multiprocessing (the save jobs), which daemons may not.
+    multiprocessing.current_process().daemon = False
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
