@@ -237,6 +237,32 @@ def flat_mixed_precision_dtypes(ctx, name):
             f"{None if grad is None else grad.dtype}, expected {grad_dtype}")
 
 
+@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.TRAINING},
+       cases={"bf16-fp32": {"reduce": torch.float32}, "bf16-none": {"reduce": None}},
+       min_world_size=2)
+def flat_keep_low_precision_grads(ctx, reduce):
+    """FSDP1 ``keep_low_precision_grads=True`` (sharded strategies): the flat gradient the
+    optimizer sees is in the compute dtype (bf16) with the oracle's values (bf16 tolerance); the
+    flat parameter stays fp32, and a second backward accumulates onto it (P5)."""
+    mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
+    ctx.seed(0)
+    model = MODELS["mlp"]().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    model = ctx.impl.shard(model, ctx, plan=PLANS["nested"], mixed_precision=mp)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):  # no zero_grad in between: the second backward accumulates
+        x, y = make_batch("mlp", ctx.world_size, step, ctx.device)
+        per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+        per_sample_loss("mlp", oracle(x), y).mean().backward()
+        for fqns, grad in flat_grads(ctx, model):
+            assert grad is not None and grad.dtype == BF16, (
+                f"{ctx.where()} backward {step}: flat gradient of {fqns} dtype "
+                f"{None if grad is None else grad.dtype}, expected bfloat16 (keep_low_precision_grads)")
+        assert_flat_grads(ctx, model, oracle, f"backward {step}", BF16_TOLS["grad"])
+    for fqns, flat in ctx.impl.flat_shards(model):
+        assert flat.dtype == FP32_DTYPE, f"{ctx.where()} flat parameter of {fqns} is {flat.dtype}"
+
+
 class BufferNet(nn.Module):
     """Linear(4, 3) plus a persistent buffer ``shift`` added in forward; records its dtype."""
 

@@ -377,6 +377,9 @@ class FlatParamHandle:
     def pre_backward(self) -> None:
         """Backward of this module starts: all-gather again into every freed gathered tensor and
         put the views back (modules recomputed by activation checkpointing read them)."""
+        grad = self.flat_param.grad
+        if grad is not None and grad.dtype != self.flat_param.dtype:  # keep_low_precision_grads
+            grad.data = grad.to(self.flat_param.dtype)  # accumulate in full precision
         live = self._gathered_for_backward
         for padded in live:
             nbytes = padded.numel() * padded.element_size()
@@ -394,6 +397,9 @@ class FlatParamHandle:
         if self._gathered_for_backward:
             self._gathered_for_backward.clear()
             self.reshard()
+        grad = self.flat_param.grad
+        if self._keep_low_precision_grads and self.uses_sharded_strategy and grad is not None:
+            grad.data = grad.to(self._compute_dtype)  # the optimizer sees the compute dtype
         if self._use_orig_params:
             self._use_sharded_grad_views()
 
