@@ -40,8 +40,9 @@ RESHARD = "reshard-after-forward"
 ORIG_PARAMS = "use-orig-params"
 TRAINING = "training"  # the check runs backward (see the zero-size limitation above)
 ZERO_SIZE = "zero-size"  # parameters may have zero dims
+CPU_OFFLOAD = "cpu-offload"
 ALL_FEATURES = frozenset(
-    {MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING, ZERO_SIZE})
+    {MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING, ZERO_SIZE, CPU_OFFLOAD})
 
 
 def dims(ws: int, zero: bool = False):
@@ -132,6 +133,8 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         if base.FLAT_PARAM in caps:
             mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
         options["mixed_precision"] = mp
+    if CPU_OFFLOAD in features and base.CPU_OFFLOAD in caps and allows("cpu_offload"):
+        options["cpu_offload"] = draw(st.booleans())
     if ORIG_PARAMS in features and allows("use_orig_params") and base.FLAT_PARAM in caps:
         options["use_orig_params"] = draw(st.booleans())
     example["options"] = options
