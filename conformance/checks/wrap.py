@@ -885,7 +885,10 @@ def module_to_states(ctx, case):
     ``_get_fully_sharded_module_to_states`` maps the root and each unit ModuleWrapPolicy({Sequential})
     selects, in modules() order, to the parameters and buffers it owns: a shared parameter goes to
     the first unit walking to it (or, LCA variant, to the unit of the lowest common ancestor)."""
-    states_of = _wrap_api(ctx, "_get_fully_sharded_module_to_states")
+    try:
+        states_of = _wrap_api(ctx, "_get_fully_sharded_module_to_states")
+    except NotSupported as exc:
+        raise NotSupported(f"{exc}: a seed-era helper, removed upstream in torch 2.13") from None
     share, lca, want = W16_CASES[case]
     model = zoo.StatesModel(share)
     policy = ctx.impl.ns.wrap.ModuleWrapPolicy({nn.Sequential})
