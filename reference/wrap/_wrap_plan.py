@@ -37,7 +37,12 @@ import torch
 from torch import nn
 
 from reference.wrap._policies import _Policy, _recursive_wrap
-from reference.wrap._wrap_utils import _decide_targets, _has_fsdp_state, _managed_params
+from reference.wrap._wrap_utils import (
+    _claim_params,
+    _decide_targets,
+    _has_fsdp_state,
+    _managed_params,
+)
 
 __all__ = ["WrapPlan", "WrapPlanEntry", "build_wrap_plan"]
 
@@ -224,31 +229,22 @@ def _get_fully_sharded_module_to_states(
         _recursive_wrap(root_module, auto_wrap_policy, recorder, ignored_modules, ignored_params)
     units.add(root_module)
 
-    visited_params: set[nn.Parameter] = set(ignored_params)
-    lca_to_shared: dict[nn.Module, list[nn.Parameter]] = collections.defaultdict(list)
+    claimed: set[torch.Tensor] = set(ignored_params)
+    lca_to_shared: dict[nn.Module, dict[str, nn.Parameter]] = collections.defaultdict(dict)
     if assign_shared_params_to_lca:
+        names = {p: n for n, p in root_module.named_parameters()}
         for param, lca in _get_shared_param_to_lca_module(root_module, ignored_params).items():
-            lca_to_shared[lca].append(param)
-            visited_params.add(param)
-    visited_buffers: set[torch.Tensor] = set()
+            lca_to_shared[lca][names[param]] = param
+            claimed.add(param)
+    # The walks of _claim_params, parents first; a unit never enters another unit's subtree.
     result: dict[nn.Module, FullyShardedModuleState] = {}
+    walked, walked_for_buffers, seen_buffers = set(units), set(units), set()
     for unit in (m for m in root_module.modules() if m in units):
-        state = FullyShardedModuleState([], [])
-        stack = [unit]
-        while stack:
-            module = stack.pop()
-            for param in module.parameters(recurse=False):
-                if param not in visited_params:
-                    visited_params.add(param)
-                    state.params.append(param)
-            for buffer in module.buffers(recurse=False):
-                if buffer not in visited_buffers:
-                    visited_buffers.add(buffer)
-                    state.buffers.append(buffer)
-            state.params.extend(lca_to_shared.pop(module, []))
-            children = [c for c in module.children() if c not in units]
-            stack.extend(reversed(children))  # pop() then yields them in registration order
-        result[unit] = state
+        walked.discard(unit)
+        walked_for_buffers.discard(unit)
+        params = _claim_params(unit, "", walked, claimed, extra=lca_to_shared)
+        buffers = _claim_params(unit, "", walked_for_buffers, seen_buffers, kind="buffers")
+        result[unit] = FullyShardedModuleState(list(params.values()), list(buffers.values()))
     return result
 
 

@@ -394,25 +394,33 @@ def _managed_params(
 
 
 def _claim_params(
-    unit: nn.Module, prefix: str, walked: set[nn.Module], claimed: set[nn.Parameter]
-) -> dict[str, nn.Parameter]:
-    """FQN -> parameter for what ``unit`` manages, in ``named_parameters()`` order.
+    unit: nn.Module,
+    prefix: str,
+    walked: set[nn.Module],
+    claimed: set[torch.Tensor],
+    kind: str = "parameters",
+    extra: dict[nn.Module, dict[str, nn.Parameter]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """FQN -> parameter (``kind="buffers"``: buffer) for what ``unit`` owns, in
+    ``named_parameters()`` order.
 
     Depth-first in registration order, not entering ``walked`` modules (earlier units'
-    subtrees), skipping ``claimed`` parameters; marks what it walks and claims. A parameter
-    registered under several names inside the unit gets the first one (as FSDP1 names it).
+    subtrees), skipping ``claimed`` tensors; marks what it walks and claims. A tensor registered
+    under several names inside the unit gets the first one (as FSDP1 names it). ``extra[module]``
+    is added right after ``module`` 's own tensors when the walk reaches it.
     """
-    result: dict[str, nn.Parameter] = {}
+    result: dict[str, torch.Tensor] = {}
     stack = [(unit, prefix)]
     while stack:
         module, name = stack.pop()
         if module in walked:
             continue
         walked.add(module)
-        for param_name, param in module.named_parameters(recurse=False):
+        for param_name, param in getattr(module, f"named_{kind}")(recurse=False):
             if param not in claimed:
                 claimed.add(param)
                 result[f"{name}.{param_name}" if name else param_name] = param
+        result.update((extra or {}).pop(module, {}))
         children = [
             (child, f"{name}.{child_name}" if name else child_name)
             for child_name, child in module.named_children()
