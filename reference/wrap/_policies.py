@@ -244,7 +244,7 @@ class _ConfigAutoWrap:
     Class attributes, not instance attributes: ``wrap()`` reads them from anywhere.
     """
 
-    in_autowrap_context: ClassVar[bool] = False  # True between __enter__ and __exit__
+    in_autowrap_context: ClassVar[bool] = False  # True inside enable_wrap
     wrapper_cls: ClassVar[Callable | None] = None  # what wrap() builds, e.g. an FSDP class
     kwargs: ClassVar[dict[str, Any]] = {}  # the context's kwargs for every wrap() call
 
