@@ -20,6 +20,7 @@ from conformance.adapters.base import NotSupported, clean_fqn
 from conformance.checks._rows import chunk_size
 from conformance.checks._sd_models import (
     assert_entry,
+    broadcast_from_rank0,
     expected_state_dict,
     full_params,
 )
@@ -31,7 +32,7 @@ from conformance.fuzz import strategies as fs
 from conformance.registry import check
 
 MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.1}
-NO_TRAINING = fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING, fs.CPU_OFFLOAD}  # the layout check's
+NO_TRAINING = fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING, fs.CPU_OFFLOAD, fs.RANK0_ONLY}  # layout's
 
 
 def shard(ctx, example: dict, salt: int = 0, impl=None, plain: bool = False):
@@ -220,18 +221,24 @@ def _kind(impl, kind: str) -> str:
                        f"or {base.DTENSOR_STATE_DICT})")
 
 
-@fuzz_check(features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD}, drop={"full": {fs.TIES}, "sharded": {fs.ZERO_SIZE}})
+@fuzz_check(features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD},
+            drop={"full": {fs.TIES}, "sharded": {fs.ZERO_SIZE, fs.RANK0_ONLY}})
 @check(area="fuzz", requires={base.TRAINING}, cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}})
 def state_dict_round_trip(ctx, example, kind):
     """After a training step, a random model's FULL (SHARDED) state dict holds its parameters (this
     rank's dim-0 chunk) under clean keys and its persistent buffers in their own dtype, never the
-    non-persistent ones, and loads into a freshly built model with other values, restoring them
-    (S2, S5, S12, P8)."""
+    non-persistent ones (with ``rank0_only``: on rank 0, the others get ``{}``), and loads into a
+    freshly built model with other values, restoring them (S2, S3, S5, S12, P8)."""
     impl_kind = _kind(ctx.impl, kind)
     model, oracle = shard(ctx, example)
     train(ctx, model, oracle, example, 1)
     expected = saved_values(ctx, example, model, oracle)
-    sd = ctx.impl.state_dict(model, impl_kind)
+    config = {"rank0_only": True} if example.get("rank0_only") and kind == "full" else {}
+    sd = ctx.impl.state_dict(model, impl_kind, **config)
+    if config:
+        assert ctx.rank == 0 or sd == {}, (
+            f"{ctx.where()} rank0_only: {len(sd)} entries on a rank other than 0, expected none")
+        sd = broadcast_from_rank0(ctx, sd)  # rank 0's dict, checked and loaded everywhere
     assert set(sd) == set(expected), (
         f"{ctx.where()} {impl_kind} state-dict keys: missing {sorted(set(expected) - set(sd))}, "
         f"unexpected {sorted(set(sd) - set(expected))}")
@@ -254,7 +261,7 @@ def _partner(impl):
     return load_implementation(name)
 
 
-@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.TIES, fs.CPU_OFFLOAD})
+@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.TIES, fs.CPU_OFFLOAD, fs.RANK0_ONLY})
 @check(area="fuzz", requires={base.TRAINING})
 def cross_load(ctx, example):
     """A full state dict saved by the implementation loads into the other layout's reference

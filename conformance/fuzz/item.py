@@ -15,7 +15,7 @@ from conformance.plugin import CheckFailure, CheckItem, _format_failure, _sessio
 from conformance.runner import protocol
 from conformance.runner.protocol import Task
 
-CI_EXAMPLES = 6  # examples per fuzz case without --fuzz-examples (derandomized: the same each run)
+CI_EXAMPLES = 8  # examples per fuzz case without --fuzz-examples (derandomized: the same each run)
 # after this long (CI budget / --fuzz-examples), shrinking settles on the smallest failing example
 SHRINK_SECONDS = {"ci": 90.0, "deep": 300.0}
 

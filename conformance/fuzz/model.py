@@ -15,6 +15,7 @@ An *example* is a dict of plain values (it pickles, and ``repr`` of it is valid 
 ``options``     ``shard`` options for every unit: ``mixed_precision`` (dtype names), ``use_orig_params``
 ``placements``  parameter FQN -> the dim ``shard_placement_fn`` shards it on (absent: dim 0)
 ``steps``       optimizer steps of the training checks
+``rank0_only``  FULL state dicts with ``rank0_only=True`` (FSDP1)
 
 Module paths are ``nn.Sequential``-style (``"0.1"``); the root's path is ``""``.
 """

@@ -41,8 +41,9 @@ ORIG_PARAMS = "use-orig-params"
 TRAINING = "training"  # the check runs backward (see the zero-size limitation above)
 ZERO_SIZE = "zero-size"  # parameters may have zero dims
 CPU_OFFLOAD = "cpu-offload"
-ALL_FEATURES = frozenset(
-    {MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING, ZERO_SIZE, CPU_OFFLOAD})
+RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(rank0_only=True)
+ALL_FEATURES = frozenset({MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING,
+                          ZERO_SIZE, CPU_OFFLOAD, RANK0_ONLY})
 
 
 def dims(ws: int, zero: bool = False):
@@ -120,10 +121,13 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         wrap = sorted(draw(st.sets(st.sampled_from(paths), max_size=4)) if paths else set())
         if base.FLAT_PARAM in caps:  # see the module docstring
             shapes = dict((n, p.shape) for n, p in model.named_parameters())
-            owned = fm.managed(model, wrap + [""])
-            wrap = [u for u in wrap if not owned[u] or any(fm.numel(shapes[f]) for f in owned[u])]
-            owned = fm.managed(model, wrap + [""])
-            if owned[""] and not any(fm.numel(shapes[f]) for f in owned[""]):
+            empty = lambda fqns: fqns and not any(fm.numel(shapes[f]) for f in fqns)  # noqa: E731
+            while True:  # a dropped unit's parameters go to its parent, which may become empty
+                owned = fm.managed(model, wrap + [""])
+                if not any(empty(owned[u]) for u in wrap):
+                    break
+                wrap = [u for u in wrap if not empty(owned[u])]
+            if empty(owned[""]):
                 wrap = []  # the root would hold only empty parameters: shard it as one unit
     example["wrap"] = wrap
     options = {}
@@ -138,6 +142,8 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     if ORIG_PARAMS in features and allows("use_orig_params") and base.FLAT_PARAM in caps:
         options["use_orig_params"] = draw(st.booleans())
     example["options"] = options
+    if RANK0_ONLY in features and base.FULL_STATE_DICT in caps:
+        example["rank0_only"] = draw(st.booleans())
     if PLACEMENTS in features and base.SHARD_PLACEMENT_FN in caps and allows("shard_placement_fn"):
         placements = {}
         for name, p in model.named_parameters():
