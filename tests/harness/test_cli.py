@@ -204,7 +204,9 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     time.sleep(3)  # let the workers reach the check
     assert len(_processes_with_marker(marker)) >= 3, "driver and two workers never appeared"
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-    proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out  # 128 + SIGINT (README, "Exit codes and signals")
+    assert (tmp_path / "r" / "conformance.json").exists(), out  # the reports are written
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _processes_with_marker(marker):
         time.sleep(0.5)

@@ -25,3 +25,39 @@ def test_a_matrix_with_nothing_but_not_supported_still_has_its_header():
     lines = matrix_lines([_rec("layout", "b", 1, "not-supported")])
     assert lines[0].split() == ["area", "implementation", "ws1"]
     assert "not supported at any world size (rows folded): layout: b" in lines
+
+
+def test_a_long_message_keeps_its_end_where_the_cause_is():
+    from conformance.reporting import shorten
+
+    text = "frame\n" * 5000 + "ValueError: the real cause"
+    short = shorten(text, limit=2000)
+    assert len(short) < 2100 and short.endswith("ValueError: the real cause")
+    assert short.startswith("frame") and "characters cut" in short
+    assert shorten("short") == "short"
+
+
+def test_repro_carries_every_option_that_changes_the_outcome(monkeypatch):
+    from types import SimpleNamespace
+
+    from conformance import options
+    from conformance.reporting import repro_command, rerun_options
+
+    monkeypatch.setenv("FSDP_CONFORMANCE_TORCH", "/wheels/torch 2.14.whl")
+    opt = SimpleNamespace(
+        expectations_dir="my-exp", check_dir=["my_checks"], respawn_every_check=False
+    )
+    validated = options.Options(
+        impl_specs=["my.fork:Adapter"], world_sizes=[2], device="cpu", backend="gloo",
+        check_timeout=15.0, grace=5.0, threads_per_rank=2, expectations_dir=options.Path("my-exp"),
+        check_dirs=[], reports_dir=None,
+    )  # fmt: skip
+    meta = SimpleNamespace(
+        impl_spec="my.fork:Adapter", world_size=2, device="cpu", backend="gloo",
+        nodeid="my_checks/a.py::b[x-ws2]", rerun=rerun_options(opt, validated),
+    )  # fmt: skip
+    assert repro_command(meta) == (
+        "FSDP_CONFORMANCE_TORCH='/wheels/torch 2.14.whl' nox -s conformance -- --impl "
+        "my.fork:Adapter --world-sizes 2 --device cpu --backend gloo --expectations-dir my-exp "
+        "--check-timeout 15 --threads-per-rank 2 --check-dir my_checks 'my_checks/a.py::b[x-ws2]'"
+    )
