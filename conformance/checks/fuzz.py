@@ -4,9 +4,9 @@ Each check below is run by hypothesis in the driver (see :mod:`conformance.fuzz`
 drawn ``example`` (a plain dict, :mod:`conformance.fuzz.model`) on every rank. Expected values come
 from the rules (rows from ``ceil(d/ws)``, flat elements from ``ceil(N/ws)``) and from an unsharded copy
 of the model trained in one process on the global batch (the oracle), never from the implementation
-under test. Tolerances as in ``training.py``: fp32 losses ``rtol=1e-5``, parameters ``rtol=1e-4``;
-with mixed precision, losses within ``rtol=3e-2`` and every parameter within 10% of the model's
-largest fp32 update (norm) of the oracle's after the steps.
+under test. Tolerances: fp32 losses and parameters ``rtol=1e-4, atol=1e-4`` (see ``FP32``);
+with mixed precision, losses within ``rtol=3e-2`` and every parameter within 25% of the model's
+largest fp32 update (norm) + 1e-3 of the oracle's after the steps (``MP_TOL``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,19 @@ from conformance.checks._sd_models import (
     full_params,
 )
 from conformance.checks.layout import flat_range
-from conformance.checks.training import FP32, assert_close, local_chunk
+from conformance.checks.training import assert_close, local_chunk
 from conformance.fuzz import fuzz_check
 from conformance.fuzz import model as fm
 from conformance.fuzz import strategies as fs
 from conformance.registry import check
 
-MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.1}
+# fp32: absolute 1e-4 as well, since a random model of narrow layers can amplify rounding; a fault
+# (a missing average, a wrong row) is off by far more
+FP32 = {"loss": dict(rtol=1e-4, atol=1e-4), "param": dict(rtol=1e-4, atol=1e-4)}
+# mixed precision: within a quarter of the model's largest fp32 update, plus 1e-3 (bf16 rounds the
+# parameters themselves by ~4e-3 relative, which tiny updates of a random model do not dominate);
+# a missing or doubled divide is off by 100% of the update
+MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.25, "atol": 1e-3}
 NO_TRAINING = fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING, fs.CPU_OFFLOAD, fs.RANK0_ONLY}  # layout's
 
 
@@ -83,8 +89,10 @@ def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     """Every full parameter of a sharded model: ``full_tensor()`` of DTensor parameters (any
     placement), else reassembled from the layout view (``full_params``)."""
     impl = impl or ctx.impl
-    if base.DTENSOR_PARAMS in impl.capabilities:
-        return {clean_fqn(n): p.detach().full_tensor().cpu() for n, p in model.named_parameters()}
+    if base.DTENSOR_PARAMS in impl.capabilities:  # an empty parameter has nothing to gather (and
+        # torch 2.13 cannot gather a zero-trailing one: layout::per_param_dim0_*[*-zero-trailing-)
+        return {clean_fqn(n): p.detach().full_tensor().cpu() if p.numel() else torch.zeros(p.shape)
+                for n, p in model.named_parameters()}
     return full_params(ctx, model, impl)
 
 
@@ -177,9 +185,8 @@ def layout(ctx, example):
             assert torch.equal(reassembled[fqn], orig), (
                 f"{ctx.where()} {fqn}: reassembled from the ranks' shards, it differs from the original")
     if base.DTENSOR_PARAMS in ctx.impl.capabilities:
-        for fqn, param in model.named_parameters():
-            full = param.detach().full_tensor().cpu()
-            assert torch.equal(full, originals[clean_fqn(fqn)]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+        for fqn, full in gathered(ctx, model).items():
+            assert torch.equal(full, originals[fqn]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
 
 
 @fuzz_check(features=fs.ALL_FEATURES)
@@ -200,9 +207,10 @@ def train_parity(ctx, example):
             assert_close(ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"])
             continue
         err = (got[fqn] - value).float().norm().item()
-        assert err <= MP_TOL["update"] * scale + 1e-5, (
+        assert err <= MP_TOL["update"] * scale + MP_TOL["atol"], (
             f"{ctx.where()} {fqn}: after {example['steps']} mixed-precision steps the parameters are "
-            f"{err:.3g} (norm) from the fp32 oracle's, more than 10% of the largest update {scale:.3g}")
+            f"{err:.3g} (norm) from the fp32 oracle's, more than 25% of the largest update "
+            f"{scale:.3g} + 1e-3")
 
 
 def _kind(impl, kind: str) -> str:

@@ -10,7 +10,7 @@ by a hand-written check):
 * FSDP1 cannot wrap a unit whose parameters all have numel 0 (``layout::flat_param_*[*-zero-``);
   flat-parameter units therefore manage no parameters or some elements;
 * FSDP2 (torch 2.13 and the reference alike) cannot run backward through a unit that holds a
-  parameter with numel 0 at world size >= 2 (``RuntimeError: _chunk_cat expects non-empty tensor``
+  parameter with numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor``
   in the reduce-scatter copy-in; found by this fuzzer): checks that train draw no zero dims for
   per-parameter layouts;
 * torch 2.13's FSDP2 fails in backward (``IndexError`` in ``foreach_all_gather_copy_out``) when an
@@ -19,7 +19,8 @@ by a hand-written check):
 * torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for a module holding a
   zero-numel parameter (found by this fuzzer): the ``sharded`` state-dict case draws no zero dims;
 * upstream FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy,
-  which would split a tie: batch norms are never tied;
+  which would split a tie and can leave a unit with only empty parameters: batch norms are never
+  tied, and FSDP1-style examples with mixed precision have no zero dims;
 * tied parameters split over two units are not a supported configuration of either API, and torch
   DCP's full load rejects tied alias keys (``state_dict::shared_params[*-dcp-full``): a unit holds
   both ends of a tie or neither, and checks that load full DCP state dicts draw no ties.
@@ -99,7 +100,15 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     caps = impl.capabilities
     known = getattr(impl, "known_options", None)
     allows = lambda opt: known is None or opt in known  # noqa: E731
-    zero = ZERO_SIZE in features and not (TRAINING in features and base.PER_PARAM_DIM0 in caps and ws > 1)
+    mp = None
+    if MIXED_PRECISION in features and base.MIXED_PRECISION in caps and draw(st.booleans()):
+        dtype = draw(st.sampled_from(["bfloat16", "float16"]))
+        mp = {"param_dtype": dtype, "reduce_dtype": draw(st.sampled_from([None, "float32"]))}
+        if base.FLAT_PARAM in caps:
+            mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
+    zero = ZERO_SIZE in features and not (
+        TRAINING in features and base.PER_PARAM_DIM0 in caps
+        or mp and base.FLAT_PARAM in caps)  # see the module docstring
     example = {
         "seed": draw(st.integers(0, 2**16)),
         "width": draw(dims(ws)),
@@ -130,13 +139,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
             if empty(owned[""]):
                 wrap = []  # the root would hold only empty parameters: shard it as one unit
     example["wrap"] = wrap
-    options = {}
-    if MIXED_PRECISION in features and base.MIXED_PRECISION in caps and draw(st.booleans()):
-        dtype = draw(st.sampled_from(["bfloat16", "float16"]))
-        mp = {"param_dtype": dtype, "reduce_dtype": draw(st.sampled_from([None, "float32"]))}
-        if base.FLAT_PARAM in caps:
-            mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
-        options["mixed_precision"] = mp
+    options = {"mixed_precision": mp} if mp else {}
     if CPU_OFFLOAD in features and base.CPU_OFFLOAD in caps and allows("cpu_offload"):
         options["cpu_offload"] = draw(st.booleans())
     if ORIG_PARAMS in features and allows("use_orig_params") and base.FLAT_PARAM in caps:
