@@ -38,6 +38,7 @@ from conformance.checks._sd_models import (
     broadcast_from_rank0,
     build,
     expected_state_dict,
+    fill_,
     first_error_everywhere,
     full_params,
     is_full_kind,
@@ -296,6 +297,36 @@ def load_errors(ctx, case):
     assert not missing, (
         f"{ctx.where()} {case}: message {type(exc).__name__}({str(exc)!r}) does not say "
         f"{missing} (it should name what is wrong)")
+
+
+# ------------------------------------------------------------------------ zero-numel parameter
+class WithEmpty(nn.Module):
+    """Linear(4, 4) next to a zero-numel (0,) parameter ``empty``, sharded as one unit."""
+
+    def __init__(self, salt: int = 0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.empty = nn.Parameter(torch.zeros(0))
+        fill_(self, salt)
+
+
+@check(area=AREA, requires={base.FLAT_PARAM})
+def zero_numel_param_round_trip(ctx):
+    """S5: a unit holding a zero-numel (0,) parameter next to a Linear saves a SHARDED dict with
+    every parameter (``empty`` as a (0,) entry, the Linear's rows chunked) that loads into a fresh
+    model and restores the Linear's values. (Found by the fuzz area: torch 2.13's FSDP1 load
+    raises ZeroDivisionError in _sharded_pre_load_state_dict_hook.)"""
+    require_kind(ctx, "sharded")
+    model = build(ctx, WithEmpty, plan=None)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "sharded"))
+    expected = plain_reference(WithEmpty, 0)
+    assert_clean_keys(ctx, sd)
+    assert set(sd) == set(expected), f"{ctx.where()} SHARDED keys {sorted(sd)}, expected {sorted(expected)}"
+    for name, exp in expected.items():
+        assert_entry(ctx, name, sd[name], exp, full=is_full_kind(ctx, "sharded"))
+    dst = build(ctx, WithEmpty, salt=1, plan=None)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "sharded"))
+    assert_loaded(ctx, dst, expected, "after loading a SHARDED dict with a zero-numel parameter")
 
 
 # --------------------------------------------------------------------------- use_orig_params

@@ -74,7 +74,33 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.hidden(self.embed(tokens))))
 
 
-MODELS = {"mlp": MLP, "tiny": Tiny, "tied": TiedLM}
+class WithEmpty(Tiny):
+    """``Tiny`` plus a zero-numel (0,) parameter ``empty`` that forward uses (``+ empty.sum()``),
+    so its gradient is an empty tensor of shape (0,) in the oracle and in every rank's unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return super().forward(x) + self.empty.sum()
+
+
+class Wide(nn.Module):
+    """Linear(5, 4) -> tanh -> Linear(4, rows), summed to one output: dim 1 of ``out.weight`` (4)
+    divides ws 1, 2 and 4, so it can take ``Shard(1)``."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.inp = nn.Linear(5, 4)
+        self.out = nn.Linear(4, rows)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x))).sum(dim=1, keepdim=True)
+
+
+MODELS = {"mlp": MLP, "tiny": Tiny, "tied": TiedLM, "empty": WithEmpty,
+          "wide4": lambda: Wide(4), "wide1": lambda: Wide(1)}
 PLANS = {
     "root": None,
     "nested": [("inp", {}), ("out", {}), ("", {})],  # children first, root last
@@ -232,6 +258,42 @@ def train_parity_reshard_after_forward(ctx, raf, model_name, plan, optim):
     P6); uneven and sub-world-size dims included."""
     raf = ctx.world_size // 2 if raf == "half" else raf
     run_parity(ctx, model_name, plan, optim, options={"reshard_after_forward": raf})
+
+
+@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS},
+       cases={"root-sgd": {"plan": "root", "optim": "sgd"},
+              "nested-adam": {"plan": "nested", "optim": "adam"}})
+def train_parity_zero_numel_param(ctx, plan, optim):
+    """A zero-numel (0,) parameter in a unit does not stop training: its sharded gradient is an
+    empty tensor of its shape, and losses, the other gradients and parameters equal the oracle's
+    (P1, P6). ``root``: next to the Linear layers in one unit; ``nested``: alone in the root unit.
+    (Found by the fuzz area: torch 2.13 fails the reduce-scatter copy-in, "_chunk_cat expects
+    non-empty tensor", at every world size.)"""
+    run_parity(ctx, "empty", plan, optim)
+
+
+def _shard_dim1_where_even(ws):
+    from torch.distributed.tensor import Shard
+
+    return lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % ws == 0 else Shard(0)
+
+
+@check(area="training",
+       requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD,
+                 base.SHARD_PLACEMENT_FN},
+       cases={"int-half-4x4": {"model_name": "wide4"}, "int-half-1x4": {"model_name": "wide1"}},
+       world_sizes=(4,))
+def train_parity_raf_int_shard_dim1(ctx, model_name):
+    """With an int ``reshard_after_forward`` (k = ws/2) on every unit and ``shard_placement_fn``
+    giving Shard(1) to ``out.weight`` ((4, 4) or (1, 4)), the post-forward shards and backward's
+    re-all-gather over k ranks keep the values: losses, sharded gradients (the oracle's dim-1
+    chunks) and parameters after 3 SGD steps equal the oracle's (P2, P13). (Found by the fuzz
+    area: torch 2.13 raises IndexError in foreach_all_gather_copy_out for (4, 4), and a storage
+    error in to_sharded_post_forward for (1, 4).)"""
+    ws = ctx.world_size
+    run_parity(ctx, model_name, "nested", "sgd",
+               options={"reshard_after_forward": ws // 2,
+                        "shard_placement_fn": _shard_dim1_where_even(ws)})
 
 
 HSDP_PARITY = {  # mesh shape (replicate, shard) per world size

@@ -6,16 +6,18 @@ implementation for something it does not declare: the example is adjusted instea
 left out, a wrap unit that the layout cannot take is dropped).
 
 Known upstream limitations the examples steer around (each also covered, as an expected failure,
-by a hand-written check):
+by a hand-written check); the ones marked *torch only* are steered around only for the torch
+implementations (``UPSTREAM``), so the fuzz exercises them on the reference and on other forks:
 * FSDP1 cannot wrap a unit whose parameters all have numel 0 (``layout::flat_param_*[*-zero-``);
   flat-parameter units therefore manage no parameters or some elements;
-* FSDP2 (torch 2.13 and the reference alike) cannot run backward through a unit that holds a
-  parameter with numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor``
-  in the reduce-scatter copy-in; found by this fuzzer): checks that train draw no zero dims for
-  per-parameter layouts;
-* torch 2.13's FSDP2 fails in backward (``IndexError`` in ``foreach_all_gather_copy_out``) when an
-  int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer): an
-  example with placements draws only bool ``reshard_after_forward`` values;
+* *torch only*: torch 2.13's FSDP2 cannot run backward through a unit that holds a parameter with
+  numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor`` in the
+  reduce-scatter copy-in; found by this fuzzer; ``training::train_parity_zero_numel_param``):
+  checks that train draw no zero dims for per-parameter layouts;
+* *torch only*: torch 2.13's FSDP2 fails (``IndexError`` in ``foreach_all_gather_copy_out``) when an
+  int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer;
+  ``training::train_parity_raf_int_shard_dim1``): an example with placements draws only bool
+  ``reshard_after_forward`` values;
 * torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for a module holding a
   zero-numel parameter (found by this fuzzer): the ``sharded`` state-dict case draws no zero dims;
 * upstream FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy,
@@ -45,6 +47,7 @@ CPU_OFFLOAD = "cpu-offload"
 RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(rank0_only=True)
 ALL_FEATURES = frozenset({MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING,
                           ZERO_SIZE, CPU_OFFLOAD, RANK0_ONLY})
+UPSTREAM = frozenset({"torch-fsdp2", "torch-fsdp1"})  # the built-ins the *torch only* steers are for
 
 
 def dims(ws: int, zero: bool = False):
@@ -106,8 +109,9 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         mp = {"param_dtype": dtype, "reduce_dtype": draw(st.sampled_from([None, "float32"]))}
         if base.FLAT_PARAM in caps:
             mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
+    upstream = impl.name in UPSTREAM
     zero = ZERO_SIZE in features and not (
-        TRAINING in features and base.PER_PARAM_DIM0 in caps
+        upstream and TRAINING in features and base.PER_PARAM_DIM0 in caps
         or mp and base.FLAT_PARAM in caps)  # see the module docstring
     example = {
         "seed": draw(st.integers(0, 2**16)),
@@ -157,7 +161,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
             example["placements"] = placements
     if RESHARD in features and base.RESHARD_AFTER_FORWARD in caps and allows("reshard_after_forward"):
         values = [True, False]
-        if not example.get("placements"):  # see the module docstring
+        if not (upstream and example.get("placements")):  # see the module docstring
             values += [d for d in range(2, ws) if ws % d == 0]
         example["unit_options"] = {
             u: {"reshard_after_forward": draw(st.sampled_from(values))}

@@ -338,6 +338,9 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
             state_dict[key] = value.full_tensor().to(state.compute_device)
             continue
         shape = value.size()
+        if shape.numel() == 0:  # nothing to gather (the shape is the same on every rank)
+            state_dict[key] = torch.empty(shape, dtype=value.dtype, device=state.compute_device)
+            continue
         chunk_numel = math.ceil(shape[0] / state.world_size) * shape.numel() // shape[0]
         shards = value.local_shards()
         if shards:

@@ -9,7 +9,8 @@ other rows in place. *Copy-out* views the output as ``(world_size, sum(s_k))`` a
 columns into each parameter's all-gather output viewed as ``(world_size, s_k)``, in one
 ``split_with_sizes_copy``. Inputs of different dtypes are gathered as raw bytes (``uint8``).
 A parameter sharded on dim ``d != 0`` comes out as its rank chunks stacked on dim 0, so it goes
-through a temporary from which the chunks are interleaved along ``d``.
+through a temporary from which the chunks are interleaved along ``d`` (not when it is gathered
+from its post-forward pieces: those are slices of the interleaved output already).
 With one rank there is nothing to exchange: each all-gather input (every one an extension returns,
 not only the first) is copied straight into its all-gather output, with no collective.
 
@@ -17,7 +18,8 @@ not only the first) is copied straight into its all-gather output, with no colle
 Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and cut into
 ``world_size`` row chunks; row ``r`` of the reduce-scatter input concatenates every gradient's
 chunk ``r`` (``torch._chunk_cat``), so rank ``r`` receives its shards in the padded layout of
-``_sharded_param_data``. Averaging over the data-parallel size ``N`` (spec P6): fp32/bf16 use
+``_sharded_param_data``; a zero-numel gradient has no elements in any row, so it is left out of
+that input (``_chunk_cat`` rejects empty tensors) and its shard is an empty tensor. Averaging over the data-parallel size ``N`` (spec P6): fp32/bf16 use
 ``AVG`` (``SUM`` when ``N`` is 1); other dtypes (fp16) risk overflow, so they ``SUM`` between a
 pre-divide by ``pre`` (doubled from 1 while ``N % pre == 0 and N / pre > pre``) and a
 post-divide by ``N / pre``. A custom ``gradient_divide_factor`` ``f`` replaces ``N``; for
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ._fsdp_common import _to_dtype_if_needed
-from ._fsdp_param import FSDPParam
+from ._fsdp_param import FSDPParam, ShardedState
 from ._shard_math import dim0_padded_size
 
 
@@ -98,7 +100,8 @@ def foreach_all_gather_copy_out(
     for (numels, dtypes), fsdp_param in zip(numels_dtypes, fsdp_params):
         fsdp_param.init_all_gather_outputs(numels, dtypes, world_size, output.device)
         outs = fsdp_param.all_gather_outputs
-        if fsdp_param.fsdp_placement.dim != 0:
+        post_forward = fsdp_param.sharded_state == ShardedState.SHARDED_POST_FORWARD
+        if fsdp_param.fsdp_placement.dim != 0 and not post_forward:
             outs = [torch.empty_like(t) for t in outs]
             non_dim0.append((fsdp_param, outs))
         destinations.extend(outs)
@@ -151,7 +154,9 @@ def foreach_reduce(
     padded_sizes = [dim0_padded_size(grad.size(), world_size) for grad in unsharded_grads]
     input_numel = sum(math.prod(s) for s in padded_sizes)
     reduce_scatter_input = torch.empty(input_numel, dtype=reduce_dtype, device=device)
-    torch._chunk_cat(unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1))
+    # _chunk_cat rejects empty tensors; a zero-numel gradient has no elements in any row anyway
+    if nonempty := [grad for grad in unsharded_grads if grad.numel() > 0]:
+        torch._chunk_cat(nonempty, 0, world_size, out=reduce_scatter_input.view(world_size, -1))
     unsharded_grads.clear()
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:

@@ -240,8 +240,9 @@ class FSDPParam:
 
         ``_sharded_post_forward_param_data`` is this rank's 1/k of the padded all-gather output
         (what the next all-gather over the k-rank group exchanges). The registered DTensor's local
-        tensor follows the chunk rule over k ranks; with an uneven dim 0 its rows need not start
-        where that piece does, and then it is a separate copy.
+        tensor follows the chunk rule over k ranks; with an uneven dim 0 (or a ``Shard(d != 0)``
+        parameter, whose output holds no dim-0 padding) its rows need not be that piece, and then
+        it is a separate copy.
         """
         self._assert_in_states(ShardedState.UNSHARDED)
         if self._tp_spec is not None:
@@ -257,7 +258,8 @@ class FSDPParam:
         size = torch.Size(sharded_size(self._orig_size, k, j, 0))
         dim0, row = self._orig_size[0], math.prod(self._orig_size[1:])
         start = min(shard_offset(self._orig_size, k, j), dim0) * row
-        local = data if start == numel * j else output.narrow(0, start, size.numel()).clone()
+        fits = start == numel * j and size.numel() <= numel  # never for Shard(d != 0)'s few rows
+        local = data if fits else output.narrow(0, start, size.numel()).clone()
         local = local[: size.numel()].view(size)
         spec = DTensorSpec(info.mesh, (Replicate(), Shard(0)), self._sharding_spec.tensor_meta)
         self._sharded_post_forward_param = nn.Parameter(
