@@ -875,6 +875,12 @@ W16_CASES = {
         "seq1": ({"seq1.1.weight"}, {"seq1.seq1_buffer"}),
         "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
         "seq2.0": (set(), set())}),
+    # an ignored parameter (seq1.1.weight) belongs to no unit, and the others keep their owners
+    "ignored-param": ("parent-child", False, {
+        "": ({"lin.weight"}, set()),
+        "seq1": ({"seq1.0.weight"}, {"seq1.seq1_buffer"}),
+        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+        "seq2.0": (set(), set())}),
 }
 
 
@@ -884,7 +890,8 @@ def module_to_states(ctx, case):
     """W16 (seed era; removed upstream in torch 2.13, so not supported there):
     ``_get_fully_sharded_module_to_states`` maps the root and each unit ModuleWrapPolicy({Sequential})
     selects, in modules() order, to the parameters and buffers it owns: a shared parameter goes to
-    the first unit walking to it (or, LCA variant, to the unit of the lowest common ancestor)."""
+    the first unit walking to it (or, LCA variant, to the unit of the lowest common ancestor); an
+    ignored parameter goes to no unit."""
     try:
         states_of = _wrap_api(ctx, "_get_fully_sharded_module_to_states")
     except NotSupported as exc:
@@ -893,7 +900,8 @@ def module_to_states(ctx, case):
     model = zoo.StatesModel(share)
     policy = ctx.impl.ns.wrap.ModuleWrapPolicy({nn.Sequential})
     kwargs = {"assign_shared_params_to_lca": True} if lca else {}
-    states = states_of(model, policy, set(), set(), **kwargs)
+    ignored = {model.seq1[1].weight} if case == "ignored-param" else set()
+    states = states_of(model, policy, set(), ignored, **kwargs)
     got = _states_by_name(model, states)
     assert list(got) == ["", "seq1", "seq2", "seq2.0"], (
         f"{ctx.where()} W16 {case}: units {list(got)}, expected ['', 'seq1', 'seq2', 'seq2.0'] "

@@ -294,7 +294,7 @@ def _ignored_params_counted(original):
     return module_to_states
 
 
-fault("w-states-ignored-params-owned", "reference", "W16", "wrap",
+fault("w-states-ignored-params-owned", "reference-fsdp1", "W16", "wrap",
       f"{WRAP}:_get_fully_sharded_module_to_states",
       "the module->states grouping hands ignored parameters to the units",
       world_sizes=(1,))(_ignored_params_counted)
