@@ -51,13 +51,34 @@ class Two(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+def _forward_recording(module, x):
+    """``module(x)`` and the output of each direct child (a weight gathered into the wrong layout
+    shows in its own module's output, while the loss's gradients may hardly depend on it)."""
+    seen = {}
+    hooks = [child.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+             for name, child in module.named_children()]
+    try:
+        return module(x), seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _grads_and_values(ctx, model, oracle, x, what):
-    """Forward/backward both (same input on every rank, so the mean gradient is the local one) and
-    compare each sharded gradient's local piece with the oracle gradient's chunk."""
+    """Forward/backward both (same input on every rank, so the mean gradient is the local one):
+    every child's output equals the oracle's, and each sharded gradient's local piece equals the
+    oracle gradient's chunk."""
     from torch.distributed.tensor import DTensor, Shard
 
-    model(x).sum().backward()
-    oracle(x).sum().backward()
+    out, seen = _forward_recording(model, x)
+    oracle_out, oracle_seen = _forward_recording(oracle, x)
+    for name, expected in oracle_seen.items():
+        assert torch.allclose(seen[name].detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=0), (
+            f"{ctx.where()} {name} ({what}): forward output differs from the oracle's (max abs "
+            f"difference {(seen[name].detach().cpu() - expected.detach().cpu()).abs().max():.3g}): "
+            "the unsharded parameters are not the original ones")
+    out.sum().backward()
+    oracle_out.sum().backward()
     for fqn, param in model.named_parameters():
         (placement,) = param.placements
         assert isinstance(placement, Shard), f"{ctx.where()} {fqn}: placement {placement}"
