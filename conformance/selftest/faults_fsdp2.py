@@ -344,3 +344,58 @@ fault("ref-shared-param-twice", "reference", "P17", "state_dict", f"{REF}:_get_m
       "a parameter shared by two modules is managed twice (once per owner) instead of once",
       )(_shared_twice)
 
+
+
+# ------------------------------------------------------------------ tensor parallel (P15, P3)
+def _plain_dp_shard(original):
+    def init_sharding_spec(self, param):
+        from dataclasses import replace
+
+        from torch.distributed.tensor import Shard
+
+        spec = original(self, param)
+        if self._tp_spec is None:
+            return spec
+        return replace(spec, placements=(Shard(0), *spec.placements[1:]))
+
+    return init_sharding_spec
+
+
+fault("ref-tp-plain-dp-shard", "reference", "P15", "tensor_parallel",
+      f"{REF}:FSDPParam._init_sharding_spec",
+      "a TP parameter whose TP shard is on dim 0 gets a plain Shard(0) dp placement instead of "
+      "_StridedShard, so its global rows are mislabelled", world_sizes=(4,))(_plain_dp_shard)
+
+
+def _tp_reshard_to_smaller_mesh(original):
+    def to_sharded_post_forward(self):
+        tp_spec, self._tp_spec = self._tp_spec, None
+        try:
+            return original(self)
+        finally:
+            self._tp_spec = tp_spec
+
+    return to_sharded_post_forward
+
+
+fault("ref-tp-smaller-mesh-reshard", "reference", "P3", "tensor_parallel",
+      f"{REF}:FSDPParam.to_sharded_post_forward",
+      "an int reshard_after_forward reshards a TP parameter onto a smaller mesh instead of raising "
+      "NotImplementedError", world_sizes=(4,))(_tp_reshard_to_smaller_mesh)
+
+
+# ------------------------------------------------------------ parameter subclasses (P14)
+def _pad_with_new_empty(original):
+    def padded_copy(src, padded_size, dim):
+        with torch.no_grad():
+            out, length = src.new_empty(padded_size), src.size(dim)
+            out.narrow(dim, 0, length).copy_(src)
+            out.narrow(dim, length, padded_size[dim] - length).zero_()
+            return out
+
+    return padded_copy
+
+
+fault("ref-subclass-new-empty", "reference", "P14", "param_subclass", f"{REF}:_padded_copy",
+      "padding asks a parameter subclass for aten.new_empty + zero_, ops upstream FSDP2 never "
+      "uses on it", world_sizes=(2,))(_pad_with_new_empty)
