@@ -20,7 +20,8 @@ from conformance.selftest.faults import BUILTIN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 AREAS = {"layout", "states", "placement", "extensions", "training", "mixed_precision",
-         "fsdp2_state_dict", "state_dict", "wrap", "bad_input"}
+         "fsdp2_state_dict", "state_dict", "wrap", "bad_input", "tensor_parallel",
+         "param_subclass"}
 # Checks that cover the fast subset's areas (one pytest -k expression).
 # (Single words would also match fault names such as fault-r1-keys-keep-prefix.)
 FAST_CHECKS = ("per_param_dim0_padded_storage or flat_param_shard or registered_after_forward "
