@@ -306,9 +306,10 @@ def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: b
     same(local, exp[start:end], f"local rows {start}:{end}")
 
 
-def assert_loaded(ctx, model, expected: dict, what: str, impl=None) -> None:
-    """``model``'s full parameters and its buffers equal ``expected`` (a plain state dict)."""
-    got = full_params(ctx, model, impl)
+def assert_loaded(ctx, model, expected: dict, what: str, impl=None, params=None) -> None:
+    """``model``'s full parameters (``params`` when the caller gathered them its own way, else
+    :func:`full_params`) and its buffers equal ``expected`` (a plain state dict)."""
+    got = full_params(ctx, model, impl) if params is None else params
     for fqn, value in got.items():
         assert fqn in expected, f"{ctx.where()} {what}: parameter {fqn} not in the saved model"
         assert torch.equal(value, expected[fqn]), (

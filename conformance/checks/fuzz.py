@@ -20,6 +20,7 @@ from conformance.adapters.base import NotSupported, clean_fqn
 from conformance.checks._rows import chunk_size
 from conformance.checks._sd_models import (
     assert_entry,
+    assert_loaded,
     broadcast_from_rank0,
     expected_state_dict,
     full_params,
@@ -118,17 +119,9 @@ def saved_values(ctx, example: dict, model, oracle) -> dict[str, torch.Tensor]:
 
 
 def assert_restored(ctx, model, expected: dict, what: str, impl=None) -> None:
-    """The sharded ``model``'s parameters and persistent buffers equal ``expected``."""
-    for fqn, value in gathered(ctx, model, impl).items():
-        assert torch.equal(value, expected[fqn]), (
-            f"{ctx.where()} {what}: {fqn} is {value.reshape(-1)[:4].tolist()}, expected the saved "
-            f"{expected[fqn].reshape(-1)[:4].tolist()}")
-    for name, buf in model.named_buffers():
-        name = clean_fqn(name)
-        if name in expected:
-            assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
-                f"{ctx.where()} {what}: buffer {name} is {buf.reshape(-1)[:4].tolist()}, expected "
-                f"{expected[name].reshape(-1)[:4].tolist()}")
+    """The sharded ``model``'s parameters (gathered any placement) and persistent buffers equal
+    ``expected``."""
+    assert_loaded(ctx, model, expected, what, impl, params=gathered(ctx, model, impl))
 
 
 @fuzz_check(features=NO_TRAINING)
