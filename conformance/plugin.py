@@ -405,6 +405,14 @@ class CheckItem(pytest.Item):
         impl = _session(self.config).impls[self.meta.impl_spec]
         return sorted(self.meta.spec.requires - set(impl.capabilities))
 
+    def _supported_implementation(self):
+        """The case's implementation; a NotSupported skip when it lacks a capability the check needs."""
+        impl = _session(self.config).impls[self.meta.impl_spec]
+        missing = self._missing_capabilities()
+        if missing:
+            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+        return impl
+
     def setup(self):
         # (Re)start the group here so that start-up time is not counted as the check's duration.
         if not self._missing_capabilities():
@@ -412,10 +420,7 @@ class CheckItem(pytest.Item):
 
     def runtest(self):
         meta, session = self.meta, _session(self.config)
-        impl = session.impls[meta.impl_spec]
-        missing = self._missing_capabilities()
-        if missing:
-            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+        impl = self._supported_implementation()
         timeout, timeout_text = check_budget(meta.spec, self.config.option.check_timeout)
         group = session.group(meta.world_size)
         results = group.run(

@@ -33,10 +33,7 @@ class FuzzItem(CheckItem):
 
     def runtest(self):
         meta, session = self.meta, _session(self.config)
-        impl = session.impls[meta.impl_spec]
-        missing = self._missing_capabilities()
-        if missing:
-            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+        impl = self._supported_implementation()
         deep = self.config.option.fuzz_examples
         timeout = meta.spec.timeout or self.config.option.check_timeout
         case_kwargs = meta.spec.cases[meta.case]
