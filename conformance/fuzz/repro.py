@@ -57,6 +57,7 @@ def rank_main(rank, port):
         ctx = CheckContext(rank=rank, world_size=WORLD_SIZE, device=device, backend=BACKEND,
                            impl=load_implementation(IMPL))
         resolve(CHECK)(ctx, example=EXAMPLE, **CASE)
+        dist.barrier()  # every rank is done before any tears its gloo pairs down (else SIGABRT)
     finally:
         dist.destroy_process_group()
 
