@@ -133,11 +133,17 @@ def run_flat_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=3, op
         oopt.step()
         opt.zero_grad()
         oopt.zero_grad()
+    assert_params_equal_oracle(ctx, model, oracle, f"after {steps} steps", tols["param"])
+    return model
+
+
+def assert_params_equal_oracle(ctx, model, oracle, what: str, tol=FP32["param"]) -> None:
+    """Every original parameter of the flat-parameter ``model`` (from its layout view) equals the
+    oracle's."""
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
         assert name in got, f"{ctx.where()} {name} missing from the flat layout ({sorted(got)})"
-        assert_close(ctx, f"{name} after {steps} steps", got[name], ref, tols["param"])
-    return model
+        assert_close(ctx, f"{name} {what}", got[name], ref, tol)
 
 
 FLAT_PARITY_CASES = {
