@@ -16,6 +16,9 @@ After forward: ``reshard_after_forward`` True -> SHARDED (root too), False -> UN
 ``reshard()`` forces SHARDED; ``unshard()`` / ``unshard(async_op=True).wait()`` give UNSHARDED.
 The unsharded parameter each module sees is captured inside its ``forward`` (the only portable
 place where it is registered, whatever the state afterwards).
+A forward under ``torch.no_grad()`` follows the same rules (nothing reshards the units it left
+UNSHARDED until ``reshard()`` or the next backward), so an optimizer built right after it holds
+whatever is registered then (see ``optimizer_after_no_grad_forward``).
 """
 
 from __future__ import annotations
