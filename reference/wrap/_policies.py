@@ -70,16 +70,6 @@ class _Policy(ABC):
     ) -> dict[nn.Module, dict[str, Any]]: ...
 
 
-def _module_wrap_policy(
-    module: nn.Module,
-    recurse: bool,
-    nonwrapped_numel: int,
-    module_classes: Iterable[type[nn.Module]],
-) -> bool:
-    """Callable policy: always look inside; wrap exactly the instances of ``module_classes``."""
-    return _wrap_module_cls_individually(module, module_classes, recurse)
-
-
 class ModuleWrapPolicy(_Policy):
     """Wrap every instance of the given classes (the root counts too), each with the root kwargs.
 
@@ -104,7 +94,7 @@ class ModuleWrapPolicy(_Policy):
         }
 
     def __call__(self, module, recurse, *args, **kwargs):
-        return _module_wrap_policy(module, recurse, -1, self._module_classes)
+        return _wrap_module_cls_individually(module, self._module_classes, recurse)
 
     def __repr__(self) -> str:
         return super().__repr__() + f"({self._module_classes_str})"
@@ -171,12 +161,13 @@ def transformer_auto_wrap_policy(
     nonwrapped_numel: int,
     transformer_layer_cls: set[type[nn.Module]],
 ) -> bool:
-    """:func:`_module_wrap_policy` with the layer classes as ``module_classes``.
+    """:func:`_wrap_module_cls_individually` with the layer classes as ``module_classes``
+    (upstream's ``_module_wrap_policy``).
 
     Typical use: one unit per transformer block, so parameters shared across blocks (tied
     embeddings) end up in the root's unit.
     """
-    return _module_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls)
+    return _wrap_module_cls_individually(module, transformer_layer_cls, recurse)
 
 
 def _wrap_module_cls_individually(
@@ -248,26 +239,6 @@ class _ConfigAutoWrap:
     wrapper_cls: ClassVar[Callable | None] = None  # what wrap() builds, e.g. an FSDP class
     kwargs: ClassVar[dict[str, Any]] = {}  # the context's kwargs for every wrap() call
 
-    @staticmethod
-    def enable_autowrap_context(kwargs: dict[str, Any]) -> None:
-        if _ConfigAutoWrap.in_autowrap_context:
-            raise NotImplementedError(
-                "You are already within an autowrap context and we currently do not supported "
-                "nested autowrap."
-            )
-        if "wrapper_cls" not in kwargs:
-            raise AssertionError("Expected to pass in wrapper_cls arg into _ConfigAutoWrap.")
-        kwargs = dict(kwargs)
-        _ConfigAutoWrap.in_autowrap_context = True
-        _ConfigAutoWrap.wrapper_cls = kwargs.pop("wrapper_cls")
-        _ConfigAutoWrap.kwargs = kwargs
-
-    @staticmethod
-    def disable_autowrap_context() -> None:
-        _ConfigAutoWrap.in_autowrap_context = False
-        _ConfigAutoWrap.wrapper_cls = None
-        _ConfigAutoWrap.kwargs = {}
-
 
 @contextlib.contextmanager
 def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, None, None]:
@@ -276,11 +247,20 @@ def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, N
     Entering a second context while one is active raises ``NotImplementedError`` (the outer one
     stays active).
     """
-    _ConfigAutoWrap.enable_autowrap_context({"wrapper_cls": wrapper_cls, **wrapper_kwargs})
+    if _ConfigAutoWrap.in_autowrap_context:
+        raise NotImplementedError(
+            "You are already within an autowrap context and we currently do not supported "
+            "nested autowrap."
+        )
+    _ConfigAutoWrap.in_autowrap_context = True
+    _ConfigAutoWrap.wrapper_cls = wrapper_cls
+    _ConfigAutoWrap.kwargs = wrapper_kwargs
     try:
         yield
     finally:
-        _ConfigAutoWrap.disable_autowrap_context()
+        _ConfigAutoWrap.in_autowrap_context = False
+        _ConfigAutoWrap.wrapper_cls = None
+        _ConfigAutoWrap.kwargs = {}
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
@@ -300,13 +280,11 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
 
 
 def _wrap(module: nn.Module, wrapper_cls: Callable, **kwargs: Any) -> nn.Module:
-    """Build ``wrapper_cls(module, **kwargs)``, with ``module._wrap_overrides`` winning if set."""
-    if wrapper_cls is None:
-        raise AssertionError("Expected wrapper_cls to be set")
-    overrides = getattr(module, "_wrap_overrides", None)
-    if overrides is not None:
-        kwargs = {**kwargs, **overrides}
-    return wrapper_cls(module, **kwargs)
+    """Build ``wrapper_cls(module, **kwargs)``, with ``module._wrap_overrides`` winning if set.
+
+    Callers check ``wrapper_cls`` first (``wrap`` and ``_recursive_wrap`` raise on ``None``).
+    """
+    return wrapper_cls(module, **{**kwargs, **(getattr(module, "_wrap_overrides", None) or {})})
 
 
 # ---------------------------------------------------------------------------------------------
