@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ._fsdp_common import _to_dtype_if_needed
+from ._fsdp_common import _to_dtype_if_needed, alloc_storage
 from ._fsdp_param import FSDPParam, ShardedState
 from ._shard_math import dim0_padded_size
 
@@ -60,16 +60,21 @@ def foreach_all_gather(
     copy each input straight into its all-gather output instead, see the Note)."""
     world_size, rank = group.size(), group.rank()
     param_inputs = [fsdp_param.all_gather_inputs for fsdp_param in fsdp_params]
-    dtypes = [[t.dtype for t in inputs] for inputs in param_inputs]
-    numels = [[t.numel() for t in inputs] for inputs in param_inputs]
-    if world_size == 1:
+    if world_size == 1:  # no exchange, and no metadata for the copy-out (see the Note)
         outputs = []
-        for fsdp_param, param_numels, param_dtypes in zip(fsdp_params, numels, dtypes):
-            fsdp_param.init_all_gather_outputs(param_numels, param_dtypes, 1, device)
-            outputs.extend(fsdp_param.all_gather_outputs)
+        for fsdp_param, inputs in zip(fsdp_params, param_inputs):
+            if fsdp_param.all_gather_outputs:  # sized by the first unshard: regrow only
+                for output in fsdp_param.all_gather_outputs:
+                    alloc_storage(output)
+            else:
+                numels, dtypes = [t.numel() for t in inputs], [t.dtype for t in inputs]
+                fsdp_param.init_all_gather_outputs(numels, dtypes, 1, device)
+            outputs += fsdp_param.all_gather_outputs
         with _preserve_version_counters(outputs):
             torch._foreach_copy_(outputs, [t for inputs in param_inputs for t in inputs])
-        return AllGatherResult(None, None, dtypes, numels, [])
+        return AllGatherResult(None, None, [], [], [])
+    dtypes = [[t.dtype for t in inputs] for inputs in param_inputs]
+    numels = [[t.numel() for t in inputs] for inputs in param_inputs]
     flat_inputs = [t for inputs in param_inputs for t in inputs]
     dtype = flat_inputs[0].dtype
     if any(t.dtype != dtype for t in flat_inputs):
