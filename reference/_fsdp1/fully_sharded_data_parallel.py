@@ -65,7 +65,7 @@ from reference.api import (
     StateDictSettings,
     StateDictType,
 )
-from reference.wrap._wrap_utils import _auto_wrap
+from reference.wrap._wrap_utils import _auto_wrap, _get_ignored_states
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -155,13 +155,12 @@ class FullyShardedDataParallel(_FSDPState):
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = FullStateDictConfig()
         self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        # ignored_states of modules count as ignored_modules; anything else must be parameters
         states = list(ignored_states if ignored_states is not None else ignored_modules or [])
-        self._ignored_modules = {
-            m for top in states if isinstance(top, nn.Module) for m in top.modules()
-        }
-        self._ignored_params = {p for p in states if isinstance(p, nn.Parameter)} | {
-            p for m in self._ignored_modules for p in m.parameters()
-        }
+        as_modules = ignored_states is None or all(isinstance(s, nn.Module) for s in states)
+        self._ignored_modules, self._ignored_params = _get_ignored_states(
+            module, states if as_modules else (), () if as_modules else states
+        )
 
         # Reject what the flat parameter cannot hold before anything is wrapped or moved.
         for name, p in module.named_parameters():

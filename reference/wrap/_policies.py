@@ -127,12 +127,8 @@ class CustomPolicy(_Policy):
                     "The lambda_fn passed to CustomPolicy should return False/True or a kwarg "
                     f"dict, but it returned {answer}"
                 )
-            if not answer:  # False or an empty dict
-                continue
-            kwargs = copy.copy(root_kwargs)
-            if isinstance(answer, dict):
-                kwargs.update(answer)
-            targets[module] = kwargs
+            if answer:  # True or a non-empty dict: a copy of the root kwargs, updated by a dict
+                targets[module] = {**root_kwargs, **(answer if isinstance(answer, dict) else {})}
         return targets
 
 
@@ -232,12 +228,11 @@ size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
 class _ConfigAutoWrap:
     """Process-wide state of the (single, non-nestable) ``enable_wrap`` context.
 
-    Class attributes, not instance attributes: ``wrap()`` reads them from anywhere.
+    A class attribute, not an instance attribute: ``wrap()`` reads it from anywhere.
     """
 
-    in_autowrap_context: ClassVar[bool] = False  # True inside enable_wrap
-    wrapper_cls: ClassVar[Callable | None] = None  # what wrap() builds, e.g. an FSDP class
-    kwargs: ClassVar[dict[str, Any]] = {}  # the context's kwargs for every wrap() call
+    # (wrapper_cls, the context's kwargs for every wrap() call) inside enable_wrap, else None
+    context: ClassVar[tuple[Callable | None, dict[str, Any]] | None] = None
 
 
 @contextlib.contextmanager
@@ -247,20 +242,16 @@ def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Generator[None, N
     Entering a second context while one is active raises ``NotImplementedError`` (the outer one
     stays active).
     """
-    if _ConfigAutoWrap.in_autowrap_context:
+    if _ConfigAutoWrap.context is not None:
         raise NotImplementedError(
             "You are already within an autowrap context and we currently do not supported "
             "nested autowrap."
         )
-    _ConfigAutoWrap.in_autowrap_context = True
-    _ConfigAutoWrap.wrapper_cls = wrapper_cls
-    _ConfigAutoWrap.kwargs = wrapper_kwargs
+    _ConfigAutoWrap.context = (wrapper_cls, wrapper_kwargs)
     try:
         yield
     finally:
-        _ConfigAutoWrap.in_autowrap_context = False
-        _ConfigAutoWrap.wrapper_cls = None
-        _ConfigAutoWrap.kwargs = {}
+        _ConfigAutoWrap.context = None
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
@@ -270,13 +261,12 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
     then the module's own ``_wrap_overrides`` attribute (set by the batch-norm mixed-precision
     override) — see :func:`_wrap`.
     """
-    if not _ConfigAutoWrap.in_autowrap_context:
+    if _ConfigAutoWrap.context is None:
         return module
-    if _ConfigAutoWrap.wrapper_cls is None:
+    wrapper_cls, kwargs = _ConfigAutoWrap.context
+    if wrapper_cls is None:
         raise AssertionError("Expected _ConfigAutoWrap.wrapper_cls to be set")
-    return _wrap(
-        module, _ConfigAutoWrap.wrapper_cls, **{**_ConfigAutoWrap.kwargs, **wrap_overrides}
-    )
+    return _wrap(module, wrapper_cls, **{**kwargs, **wrap_overrides})
 
 
 def _wrap(module: nn.Module, wrapper_cls: Callable, **kwargs: Any) -> nn.Module:

@@ -26,8 +26,7 @@ Two answers live here:
 from __future__ import annotations
 
 import collections
-import functools
-import warnings
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -36,12 +35,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from reference.wrap._policies import _Policy, _recursive_wrap
+from reference.wrap._policies import _Policy
 from reference.wrap._wrap_utils import (
-    _claim_params,
     _decide_targets,
-    _has_fsdp_state,
+    _get_ignored_states,
     _managed_params,
+    _record_targets,
+    _walk_unit,
 )
 
 __all__ = ["WrapPlan", "WrapPlanEntry", "build_wrap_plan"]
@@ -72,10 +72,6 @@ class WrapPlan:
     @property
     def module_fqns(self) -> tuple[str, ...]:
         return tuple(e.module_fqn for e in self.entries)
-
-    def resolve(self, root: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
-        """The planned modules of ``root`` (looked up by FQN) with their kwargs, in build order."""
-        return [(root.get_submodule(e.module_fqn), dict(e.kwargs)) for e in self.entries]
 
 
 def build_wrap_plan(
@@ -109,15 +105,9 @@ def build_wrap_plan(
     The model is not modified (no attribute, hook or child changes).
     """
     root_kwargs = dict(root_kwargs or {})
-    ignored_modules, ignored_params = list(ignored_modules), list(ignored_params)
-    _check_uniform(ignored_modules, nn.Module, "ignored_modules expects nn.Module list elements")
-    _check_uniform(
-        ignored_params,
-        nn.Parameter,
-        "ignored_states expects all nn.Parameter or all nn.Module list elements",
+    ignored_module_set, ignored_param_set = _get_ignored_states(
+        root, ignored_modules, ignored_params
     )
-    ignored_module_set = _get_ignored_modules(root, ignored_modules)
-    ignored_param_set = _get_ignored_params(root, ignored_module_set, ignored_params)
     targets = _decide_targets(root, policy, ignored_module_set, ignored_param_set, root_kwargs)
     entries = [
         WrapPlanEntry(fqn, MappingProxyType(dict(targets.get(unit, root_kwargs))), tuple(managed))
@@ -125,57 +115,6 @@ def build_wrap_plan(
     ]
     ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
     return WrapPlan(tuple(entries), ignored_fqns)
-
-
-def _check_uniform(items: list, cls: type, message: str) -> None:
-    """FSDP1's check of ``ignored_modules`` / ``ignored_states``: ``ValueError`` naming types."""
-    if not all(isinstance(x, cls) for x in items):
-        kinds = sorted({type(x) for x in items}, key=repr)
-        raise ValueError(f"{message} but got types {kinds}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Ignored modules and parameters (as FSDP's constructor normalises them before auto-wrapping)
-# ---------------------------------------------------------------------------------------------
-
-
-def _get_ignored_modules(
-    root_module: nn.Module, ignored_modules: Iterable[nn.Module] | None
-) -> set[nn.Module]:
-    """The given modules plus their whole subtrees (FSDP-managed modules themselves excluded).
-
-    Errors: a non-iterable → ``TypeError``; a non-module element → ``TypeError``; a module
-    with FSDP applied → ``ValueError``. Ignoring the root warns (all parameters ignored).
-    """
-    prefix = "`ignored_modules` should be an iterable of `torch.nn.Module`s "
-    try:
-        roots = set(ignored_modules) if ignored_modules is not None else set()
-    except TypeError as e:
-        raise TypeError(prefix + f"but got {type(ignored_modules)}") from e
-    for module in roots:
-        if not isinstance(module, nn.Module):
-            raise TypeError(prefix + f"but got an iterable with {type(module)}")
-        if _has_fsdp_state(module):
-            raise ValueError("`ignored_modules` should not include FSDP modules")
-    result = {m for r in roots for m in r.modules() if not _has_fsdp_state(m)}
-    if root_module in result:
-        warnings.warn(
-            "Trying to ignore the top-level module passed into the FSDP constructor itself will "
-            f"result in all parameters being ignored and is not well-supported: {root_module}",
-            stacklevel=3,
-        )
-    return result
-
-
-def _get_ignored_params(
-    root_module: nn.Module,
-    ignored_modules: set[nn.Module],
-    ignored_parameters: Iterable[nn.Parameter] | None = None,
-) -> set[nn.Parameter]:
-    """Every parameter of the ignored modules, plus the explicitly ignored parameters."""
-    result = {p for m in ignored_modules for p in m.parameters()}
-    result.update(ignored_parameters or ())
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +129,6 @@ class FullyShardedModuleState(NamedTuple):
     buffers: list[torch.Tensor]
 
 
-def _record_module_wrapper_cls(
-    wrapped_modules_set: set[nn.Module], module: nn.Module, **kwargs: Any
-) -> nn.Module:
-    """A stand-in ``wrapper_cls`` for :func:`_recursive_wrap`: remember ``module``, return it."""
-    wrapped_modules_set.add(module)
-    return module
-
-
 def _get_fully_sharded_module_to_states(
     root_module: nn.Module,
     auto_wrap_policy: _Policy | Callable | None,
@@ -209,43 +140,46 @@ def _get_fully_sharded_module_to_states(
     """Map each unit the policy selects (and the root, always) to the state it would own.
 
     Rules:
-      * Units: the modules ``_recursive_wrap`` (root included) would wrap with the policy (a
-        non-callable ``_Policy`` contributes its ``_run_policy`` targets), plus the root.
+      * Units: the modules a callable policy wraps (recorded as ``_decide_targets`` records them;
+        a non-callable ``_Policy`` contributes its ``_run_policy`` targets), plus the root. No
+        other wrap decision applies here (no nested-FSDP, mixed-precision or frozen check).
       * The dict follows ``root_module.modules()`` order, so parents precede children.
-      * Each unit owns the parameters and buffers of its subtree, not entering other units,
-        walked depth-first in registration order, skipping ignored parameters and anything an
-        earlier unit took. So a parameter shared between a parent unit and a child unit goes to
-        the parent; shared between siblings, to the first sibling.
+      * Each unit owns the parameters and buffers of the modules its walk reaches (its subtree,
+        not entering other units, depth-first in registration order), skipping ignored
+        parameters and anything an earlier unit took. So a parameter shared between a parent unit
+        and a child unit goes to the parent; shared between siblings, to the first sibling.
       * ``assign_shared_params_to_lca=True`` (the later seed-era variant): a parameter reachable
         under several names instead goes to the unit whose walk reaches the lowest common
-        ancestor of its owning modules, appended after that module's own parameters.
+        ancestor of its owning modules, right after that module's own parameters.
     The model is not modified.
     """
-    units: set[nn.Module] = set()
+    units = {root_module}
     if isinstance(auto_wrap_policy, _Policy) and not callable(auto_wrap_policy):
         units.update(auto_wrap_policy._run_policy(root_module, ignored_modules, {}))
     elif auto_wrap_policy is not None:
-        recorder = functools.partial(_record_module_wrapper_cls, units)
-        _recursive_wrap(root_module, auto_wrap_policy, recorder, ignored_modules, ignored_params)
-    units.add(root_module)
-
-    claimed: set[torch.Tensor] = set(ignored_params)
-    lca_to_shared: dict[nn.Module, dict[str, nn.Parameter]] = collections.defaultdict(dict)
+        units.update(
+            _record_targets(root_module, auto_wrap_policy, ignored_modules, ignored_params, {})
+        )
+    to_lca: dict[nn.Module, list[nn.Parameter]] = collections.defaultdict(list)
     if assign_shared_params_to_lca:
-        names = {p: n for n, p in root_module.named_parameters()}
         for param, lca in _get_shared_param_to_lca_module(root_module, ignored_params).items():
-            lca_to_shared[lca][names[param]] = param
-            claimed.add(param)
-    # The walks of _claim_params, parents first; a unit never enters another unit's subtree.
-    result: dict[nn.Module, FullyShardedModuleState] = {}
-    walked, walked_for_buffers, seen_buffers = set(units), set(units), set()
-    for unit in (m for m in root_module.modules() if m in units):
+            to_lca[lca].append(param)
+    claimed, seen_buffers = set(ignored_params), set()
+    walked, result = set(units), {}
+    for unit in [m for m in root_module.modules() if m in units]:
         walked.discard(unit)
-        walked_for_buffers.discard(unit)
-        params = _claim_params(unit, "", walked, claimed, extra=lca_to_shared)
-        buffers = _claim_params(unit, "", walked_for_buffers, seen_buffers, kind="buffers")
-        result[unit] = FullyShardedModuleState(list(params.values()), list(buffers.values()))
+        modules = [m for _, m in _walk_unit(unit, "", walked)]
+        params = [p for m in modules for p in (*m.parameters(recurse=False), *to_lca[m])]
+        buffers = [b for m in modules for b in m.buffers(recurse=False)]
+        result[unit] = FullyShardedModuleState(_take(params, claimed), _take(buffers, seen_buffers))
     return result
+
+
+def _take(tensors: list[torch.Tensor], taken: set[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats and without ``taken`` ones, in order; marks them taken."""
+    new = [t for t in dict.fromkeys(tensors) if t not in taken]
+    taken.update(new)
+    return new
 
 
 def _get_shared_param_to_lca_module(
@@ -257,14 +191,9 @@ def _get_shared_param_to_lca_module(
     for fqn, param in root_module.named_parameters(remove_duplicate=False):
         if param not in ignored_params:
             owners[param].append(fqn.split(".")[:-1])
-    result: dict[nn.Parameter, nn.Module] = {}
-    for param, paths in owners.items():
-        if len(paths) < 2:
-            continue
-        common: list[str] = []
-        for parts in zip(*paths):
-            if any(part != parts[0] for part in parts):
-                break
-            common.append(parts[0])
-        result[param] = root_module.get_submodule(".".join(common))
-    return result
+    # commonprefix compares element by element, so on lists of names it gives the common path
+    return {
+        param: root_module.get_submodule(".".join(os.path.commonprefix(paths)))
+        for param, paths in owners.items()
+        if len(paths) > 1
+    }

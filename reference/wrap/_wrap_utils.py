@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -80,55 +79,56 @@ def _decide_targets(
     """Steps 1-4 of [Note: the order of events in _auto_wrap]: ``{unit: kwargs}`` for every
     descendant FSDP1's auto-wrap builds (the root excluded), with every error and warning, and no
     change to the model. The one place of the wrap decisions: :func:`_auto_wrap` applies them,
-    ``build_wrap_plan`` reports them."""
+    ``build_wrap_plan`` reports them.
+
+    With mixed precision, a callable policy is ORed with the override's classes (so the walk
+    enters every subtree, as upstream's does), and every non-ignored instance of those classes
+    ends up a target with ``mixed_precision=None`` on both paths. Warnings keep upstream's order:
+    before a callable policy's walk; after a ``_Policy`` ran and before its frozen-parameter check.
+    """
     _check_nested_wrapping(root)
+    if policy is None:
+        return {}
     mixed_precision = root_kwargs.get("mixed_precision")
     classes = _mixed_precision_classes_to_ignore(mixed_precision)
-    if policy is None:
-        targets: dict[nn.Module, dict[str, Any]] = {}
-    elif isinstance(policy, _Policy):
+    present = {type(m) for m in root.modules() if isinstance(m, classes)}
+    if isinstance(policy, _Policy):
         kwargs = {**root_kwargs, policy_key: None}
         targets = policy._run_policy(root, ignored_modules, kwargs)
+    else:
+        kwargs = root_kwargs
         if mixed_precision is not None:
-            targets = _run_mixed_precision_override_policy(
-                root, classes, ignored_modules, kwargs, targets
-            )
-            _warn_on_overridden_mixed_precision(_classes_present(root, classes))
+            _warn_on_overridden_mixed_precision(present)
+            individually = functools.partial(_wrap_module_cls_individually, module_classes=classes)
+            policy = functools.partial(_or_policy, policies=[policy, individually])
+        targets = _record_targets(root, policy, ignored_modules, ignored_params, kwargs)
+    if mixed_precision is not None:
+        targets = _run_mixed_precision_override_policy(
+            root, classes, ignored_modules, kwargs, targets
+        )
+    if isinstance(policy, _Policy):
+        if mixed_precision is not None:
+            _warn_on_overridden_mixed_precision(present)
         use_orig_params = root_kwargs.get("use_orig_params", False)
         _validate_frozen_params(root, set(targets), ignored_params, use_orig_params)
-    else:
-        targets = _callable_policy_targets(
-            root, policy, ignored_modules, ignored_params, root_kwargs, classes
-        )
     targets.pop(root, None)  # the caller shards the root with its own kwargs
     return targets
 
 
-def _callable_policy_targets(
+def _record_targets(
     root: nn.Module,
     policy: Callable,
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
     root_kwargs: dict[str, Any],
-    classes_to_ignore: tuple[type[nn.Module], ...],
 ) -> dict[nn.Module, dict[str, Any]]:
-    """Run :func:`_recursive_wrap` (children only) with a stand-in that records and returns the
-    module unchanged: the walk, the counts and the kwargs are those of wrapping during the walk,
-    since every count is taken before a child is wrapped. With mixed precision, the override's
-    classes are ORed into the policy and get ``mixed_precision=None`` (what their
-    ``_wrap_overrides`` gives the wrapping)."""
-    mp_override = root_kwargs.get("mixed_precision") is not None
-    if mp_override:
-        individually = functools.partial(
-            _wrap_module_cls_individually, module_classes=classes_to_ignore
-        )
-        policy = functools.partial(_or_policy, policies=[policy, individually])
-        _warn_on_overridden_mixed_precision(_classes_present(root, classes_to_ignore))
+    """The descendants a callable policy wraps, each with the kwargs it would be built with:
+    :func:`_recursive_wrap` (children only) with a stand-in wrapper that records and returns the
+    module unchanged. The walk, the counts and the kwargs are those of wrapping during the walk,
+    since every count is taken before a child is wrapped."""
     recorded: dict[nn.Module, dict[str, Any]] = {}
 
     def record(module: nn.Module, **kwargs: Any) -> nn.Module:
-        if mp_override and isinstance(module, classes_to_ignore):
-            kwargs = {**root_kwargs, "mixed_precision": None}
         recorded.setdefault(module, kwargs)
         return module
 
@@ -160,11 +160,6 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
                 "Non-root modules should have their parent module set but got "
                 f"{parent} for {module}"
             )
-        if not name:
-            raise AssertionError(
-                "Non-root modules should have their module name set but got an empty module "
-                f"name for {module}"
-            )
         if not isinstance(replacement, nn.Module):
             raise AssertionError(  # noqa: TRY004 (upstream's exception type)
                 f"fn should return None or an nn.Module but got {replacement}"
@@ -189,39 +184,23 @@ def _construct_wrap_fn(
     return fn
 
 
-# ---- W6: no nested FSDP ---------------------------------------------------------------------
+# ---- W6: no nested FSDP; ignored modules and parameters ------------------------------------
 
-# Extra "does this module already have FSDP applied?" checks, for implementations this file
-# cannot know about (register with `_register_fsdp_state_check`).
-_FSDP_STATE_CHECKS: list[Callable[[nn.Module], bool]] = []
-
-
-def _register_fsdp_state_check(check: Callable[[nn.Module], bool]) -> None:
-    """Teach :func:`_check_nested_wrapping` another way to recognise an FSDP-managed module."""
-    _FSDP_STATE_CHECKS.append(check)
+# The class names that mark a module with FSDP applied, in torch and in this package alike: FSDP1's
+# wrapper class, and the class ``fully_shard`` (FSDP2) mixes into the module's own class.
+_FSDP_CLASS_NAMES = frozenset({"FullyShardedDataParallel", "FSDPModule"})
 
 
 def _has_fsdp_state(module: nn.Module) -> bool:
-    """Whether ``module`` already has some FSDP applied.
+    """Whether ``module`` already has some FSDP applied: its class or one of its bases is named
+    ``FullyShardedDataParallel`` or ``FSDPModule``.
 
-    Recognised: torch's FSDP1 wrapper and its old composable state (``_get_module_fsdp_state``);
-    torch's FSDP2 (``FSDPModule``); this package's FSDP1 wrapper and FSDP2 ``FSDPModule`` (looked
-    up only if their modules were imported — a module of a class never imported cannot exist);
-    and any registered check.
+    Recognised that way: torch's FSDP1 wrapper and FSDP2 modules (``FSDPModule`` and what derives
+    from it, such as ``replicate``'s modules), this package's FSDP1 wrapper and FSDP2
+    ``FSDPModule``, and any other implementation that names its classes as upstream does. By name,
+    because this part imports neither FSDP implementation.
     """
-    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
-
-    if _get_module_fsdp_state(module) is not None or isinstance(module, TorchFSDPModule):
-        return True
-    for module_path, class_name in (
-        ("reference._fsdp1.fully_sharded_data_parallel", "FullyShardedDataParallel"),
-        ("reference._fully_shard", "FSDPModule"),
-    ):
-        cls = getattr(sys.modules.get(module_path), class_name, None)
-        if isinstance(cls, type) and isinstance(module, cls):
-            return True
-    return any(check(module) for check in _FSDP_STATE_CHECKS)
+    return any(cls.__name__ in _FSDP_CLASS_NAMES for cls in type(module).__mro__)
 
 
 def _check_nested_wrapping(root_module: nn.Module) -> None:
@@ -238,6 +217,47 @@ def _check_nested_wrapping(root_module: nn.Module) -> None:
             )
 
 
+def _get_ignored_states(
+    root_module: nn.Module,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """FSDP1's normalisation of ``ignored_modules`` / ``ignored_states``, before auto-wrapping:
+    ``(ignored modules, ignored parameters)``.
+
+    Rules:
+      * ``ignored_modules`` must hold only modules and ``ignored_params`` only parameters, else
+        ``ValueError`` naming the element types (FSDP1's wording for its ``ignored_modules`` and
+        ``ignored_states`` arguments; FSDP1 passes an ``ignored_states`` of modules as
+        ``ignored_modules``); a module with FSDP applied → ``ValueError``.
+      * The modules: the given ones with their whole subtrees, FSDP modules themselves excluded.
+        Ignoring the root warns (all its parameters end up ignored).
+      * The parameters: those given, plus every parameter of the ignored modules.
+    """
+    modules, params = list(ignored_modules), list(ignored_params)
+    for items, cls, what in (
+        (modules, nn.Module, "ignored_modules expects nn.Module list elements"),
+        (
+            params,
+            nn.Parameter,
+            "ignored_states expects all nn.Parameter or all nn.Module list elements",
+        ),
+    ):
+        if not all(isinstance(x, cls) for x in items):
+            kinds = sorted({type(x) for x in items}, key=repr)
+            raise ValueError(f"{what} but got types {kinds}")
+    if any(_has_fsdp_state(m) for m in modules):
+        raise ValueError("`ignored_modules` should not include FSDP modules")
+    ignored = {m for top in modules for m in top.modules() if not _has_fsdp_state(m)}
+    if root_module in ignored:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself will "
+            f"result in all parameters being ignored and is not well-supported: {root_module}",
+            stacklevel=3,
+        )
+    return ignored, {*params, *(p for m in ignored for p in m.parameters())}
+
+
 # ---- W11: modules kept out of mixed precision (batch norm by default) -----------------------
 
 # module -> dtype of the floating-point input its pre-hook last cast to fp32 (restored on output)
@@ -250,12 +270,6 @@ def _mixed_precision_classes_to_ignore(mixed_precision: Any) -> tuple[type[nn.Mo
         mixed_precision, "_module_classes_to_ignore", (nn.modules.batchnorm._BatchNorm,)
     )
     return tuple(dict.fromkeys(classes))
-
-
-def _classes_present(root: nn.Module, classes: Iterable[type[nn.Module]]) -> set[type[nn.Module]]:
-    """Exact types of the modules in ``root``'s tree that are instances of ``classes``."""
-    classes = tuple(classes)
-    return {type(m) for m in root.modules() if isinstance(m, classes)}
 
 
 def _run_mixed_precision_override_policy(
@@ -295,20 +309,16 @@ def _warn_on_overridden_mixed_precision(overridden_module_classes: set[type[nn.M
 
 
 def _override_module_mixed_precision(
-    root: nn.Module,
-    module_classes_to_override: Iterable[type[nn.Module]],
-    wrap_override_dict: dict[str, Any] | None = None,
+    root: nn.Module, module_classes_to_override: Iterable[type[nn.Module]]
 ) -> set[type[nn.Module]]:
     """Prepare each instance of the classes to run in fp32 inside a low-precision model.
 
-    For every instance (ignored ones too): set ``_wrap_overrides`` (default
-    ``{"mixed_precision": None}``, one dict shared by all), and append a forward pre-hook that
-    casts floating-point input tensors of another dtype to fp32 (remembering that dtype) and a
-    forward hook that casts floating-point outputs back to the remembered dtype. Returns the
-    exact types found.
+    For every instance (ignored ones too): set ``_wrap_overrides`` to ``{"mixed_precision":
+    None}`` (one dict shared by all), and append a forward pre-hook that casts floating-point
+    input tensors of another dtype to fp32 (remembering that dtype) and a forward hook that casts
+    floating-point outputs back to the remembered dtype. Returns the exact types found.
     """
-    if wrap_override_dict is None:
-        wrap_override_dict = {"mixed_precision": None}
+    wrap_override_dict = {"mixed_precision": None}
     classes = tuple(set(module_classes_to_override))
     found: set[type[nn.Module]] = set()
     for module in root.modules():
@@ -357,17 +367,14 @@ def _validate_frozen_params(
         frozen = [fqn for fqn, p in by_depth if not p.requires_grad]
         if not trainable or not frozen:
             continue
-        msg = f"{name} has both parameters with requires_grad=True and False."
-        if use_orig_params:
-            total = sum(p.numel() for p in managed.values())
-            nonfrozen = sum(p.numel() for p in managed.values() if p.requires_grad)
-            msg += (
-                " We do not recommend wrapping such modules since the gradient memory usage will "
-                f"be higher than expected ({total} numel instead of {nonfrozen} numel before "
-                "sharding via reduce-scatter). "
-            )
-        else:
-            msg += " FSDP does not support wrapping such modules when use_orig_params=False. "
+        nonfrozen = sum(p.numel() for p in managed.values() if p.requires_grad)
+        msg = f"{name} has both parameters with requires_grad=True and False." + (
+            " We do not recommend wrapping such modules since the gradient memory usage will be "
+            f"higher than expected ({sum(p.numel() for p in managed.values())} numel instead of "
+            f"{nonfrozen} numel before sharding via reduce-scatter). "
+            if use_orig_params
+            else " FSDP does not support wrapping such modules when use_orig_params=False. "
+        )
         msg += (
             "If possible, wrap the frozen parameters with FSDP separately.\n"
             f"The following parameters have requires_grad=True:\n{trainable}\n"
@@ -394,37 +401,29 @@ def _managed_params(
 
 
 def _claim_params(
-    unit: nn.Module,
-    prefix: str,
-    walked: set[nn.Module],
-    claimed: set[torch.Tensor],
-    kind: str = "parameters",
-    extra: dict[nn.Module, dict[str, nn.Parameter]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """FQN -> parameter (``kind="buffers"``: buffer) for what ``unit`` owns, in
-    ``named_parameters()`` order.
-
-    Depth-first in registration order, not entering ``walked`` modules (earlier units'
-    subtrees), skipping ``claimed`` tensors; marks what it walks and claims. A tensor registered
-    under several names inside the unit gets the first one (as FSDP1 names it). ``extra[module]``
-    is added right after ``module`` 's own tensors when the walk reaches it.
-    """
-    result: dict[str, torch.Tensor] = {}
-    stack = [(unit, prefix)]
-    while stack:
-        module, name = stack.pop()
-        if module in walked:
-            continue
-        walked.add(module)
-        for param_name, param in getattr(module, f"named_{kind}")(recurse=False):
+    unit: nn.Module, prefix: str, walked: set[nn.Module], claimed: set[torch.Tensor]
+) -> dict[str, nn.Parameter]:
+    """FQN -> parameter for what ``unit`` owns: the parameters of the modules :func:`_walk_unit`
+    reaches, in that order, skipping ``claimed`` ones (and marking what it takes claimed). A
+    parameter registered under several names inside the unit gets the first one (as FSDP1 names
+    it), so the order is ``named_parameters()`` order."""
+    result: dict[str, nn.Parameter] = {}
+    for name, module in _walk_unit(unit, prefix, walked):
+        for param_name, param in module.named_parameters(recurse=False):
             if param not in claimed:
                 claimed.add(param)
                 result[f"{name}.{param_name}" if name else param_name] = param
-        result.update((extra or {}).pop(module, {}))
-        children = [
-            (child, f"{name}.{child_name}" if name else child_name)
-            for child_name, child in module.named_children()
-            if child is not None
-        ]
-        stack.extend(reversed(children))  # pop() then yields them in registration order
     return result
+
+
+def _walk_unit(
+    module: nn.Module, name: str, walked: set[nn.Module]
+) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, module)`` for a unit's subtree, depth-first in registration order, not entering
+    ``walked`` modules (earlier units' subtrees); marks what it yields walked."""
+    if module in walked:
+        return
+    walked.add(module)
+    yield name, module
+    for child_name, child in module.named_children():
+        yield from _walk_unit(child, f"{name}.{child_name}" if name else child_name, walked)

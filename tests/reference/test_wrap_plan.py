@@ -345,8 +345,9 @@ def test_plan_nested_sequential_examples():
     assert plan.targets[0] == ("0", {"auto_wrap_policy": None})
     assert plan.entries[0].param_fqns == ("0.weight",)
     assert plan.ignored_param_fqns == ("0.bias",)
-    resolved = plan.resolve(model)
-    assert resolved[0][0] is model[0] and resolved[-1][0] is model
+    # the FQNs name the unwrapped model's modules ("" = the root)
+    assert model.get_submodule(plan.module_fqns[0]) is model[0]
+    assert model.get_submodule(plan.module_fqns[-1]) is model
 
 
 def test_plan_is_frozen_and_read_only():
