@@ -78,12 +78,10 @@ class ModuleWrapPolicy(_Policy):
     otherwise ``isinstance``), for example inside :func:`_or_policy`.
     """
 
-    _module_classes: set[type[nn.Module]]  # the classes to wrap, deduplicated
-    _module_classes_str: str  # str() of that set, frozen at construction (used by repr)
+    _module_classes: set[type[nn.Module]]  # the classes to wrap, deduplicated; never changed
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]):
         self._module_classes = set(module_classes)
-        self._module_classes_str = str(self._module_classes)
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
         classes = tuple(self._module_classes)
@@ -97,7 +95,7 @@ class ModuleWrapPolicy(_Policy):
         return _wrap_module_cls_individually(module, self._module_classes, recurse)
 
     def __repr__(self) -> str:
-        return super().__repr__() + f"({self._module_classes_str})"
+        return super().__repr__() + f"({self._module_classes})"
 
 
 class CustomPolicy(_Policy):

@@ -41,6 +41,7 @@ from reference.wrap._wrap_utils import (
     _get_ignored_states,
     _managed_params,
     _record_targets,
+    _take,
     _walk_unit,
 )
 
@@ -164,8 +165,9 @@ def _get_fully_sharded_module_to_states(
     if assign_shared_params_to_lca:
         for param, lca in _get_shared_param_to_lca_module(root_module, ignored_params).items():
             to_lca[lca].append(param)
-    claimed, seen_buffers = set(ignored_params), set()
-    walked, result = set(units), {}
+    claimed, seen_buffers = set(ignored_params), set()  # what earlier units took
+    walked = set(units)
+    result: dict[nn.Module, FullyShardedModuleState] = {}
     for unit in [m for m in root_module.modules() if m in units]:
         walked.discard(unit)
         modules = [m for _, m in _walk_unit(unit, "", walked)]
@@ -173,13 +175,6 @@ def _get_fully_sharded_module_to_states(
         buffers = [b for m in modules for b in m.buffers(recurse=False)]
         result[unit] = FullyShardedModuleState(_take(params, claimed), _take(buffers, seen_buffers))
     return result
-
-
-def _take(tensors: list[torch.Tensor], taken: set[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` without repeats and without ``taken`` ones, in order; marks them taken."""
-    new = [t for t in dict.fromkeys(tensors) if t not in taken]
-    taken.update(new)
-    return new
 
 
 def _get_shared_param_to_lca_module(

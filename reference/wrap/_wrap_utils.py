@@ -63,7 +63,7 @@ def _auto_wrap(
         root_module, policy, ignored_modules, ignored_params, root_kwargs, key
     )
     if root_kwargs["mixed_precision"] is not None:
-        classes = _mixed_precision_classes_to_ignore(root_kwargs["mixed_precision"])
+        classes = root_kwargs["mixed_precision"]._module_classes_to_ignore
         _override_module_mixed_precision(root_module, classes)
     _post_order_apply(root_module, _construct_wrap_fn(root_module, targets, fsdp_fn))
 
@@ -90,25 +90,21 @@ def _decide_targets(
     if policy is None:
         return {}
     mixed_precision = root_kwargs.get("mixed_precision")
-    classes = _mixed_precision_classes_to_ignore(mixed_precision)
+    classes = tuple(getattr(mixed_precision, "_module_classes_to_ignore", ()))
+    # Without mixed precision there are no classes: no warning, no override.
     present = {type(m) for m in root.modules() if isinstance(m, classes)}
+    kwargs = {**root_kwargs, policy_key: None} if isinstance(policy, _Policy) else root_kwargs
     if isinstance(policy, _Policy):
-        kwargs = {**root_kwargs, policy_key: None}
         targets = policy._run_policy(root, ignored_modules, kwargs)
     else:
-        kwargs = root_kwargs
+        _warn_on_overridden_mixed_precision(present)
         if mixed_precision is not None:
-            _warn_on_overridden_mixed_precision(present)
             individually = functools.partial(_wrap_module_cls_individually, module_classes=classes)
             policy = functools.partial(_or_policy, policies=[policy, individually])
         targets = _record_targets(root, policy, ignored_modules, ignored_params, kwargs)
-    if mixed_precision is not None:
-        targets = _run_mixed_precision_override_policy(
-            root, classes, ignored_modules, kwargs, targets
-        )
+    targets = _run_mixed_precision_override_policy(root, classes, ignored_modules, kwargs, targets)
     if isinstance(policy, _Policy):
-        if mixed_precision is not None:
-            _warn_on_overridden_mixed_precision(present)
+        _warn_on_overridden_mixed_precision(present)
         use_orig_params = root_kwargs.get("use_orig_params", False)
         _validate_frozen_params(root, set(targets), ignored_params, use_orig_params)
     targets.pop(root, None)  # the caller shards the root with its own kwargs
@@ -264,14 +260,6 @@ def _get_ignored_states(
 _MODULE_TO_INP_DTYPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _mixed_precision_classes_to_ignore(mixed_precision: Any) -> tuple[type[nn.Module], ...]:
-    """``mixed_precision._module_classes_to_ignore`` (default: ``(_BatchNorm,)``), deduplicated."""
-    classes = getattr(
-        mixed_precision, "_module_classes_to_ignore", (nn.modules.batchnorm._BatchNorm,)
-    )
-    return tuple(dict.fromkeys(classes))
-
-
 def _run_mixed_precision_override_policy(
     root_module: nn.Module,
     module_classes: Iterable[type[nn.Module]],
@@ -288,11 +276,9 @@ def _run_mixed_precision_override_policy(
     """
     classes = tuple(set(module_classes))
     for module in root_module.modules():
-        if module in ignored_modules or not isinstance(module, classes):
-            continue
-        kwargs = dict(target_module_to_kwargs.get(module, root_kwargs))
-        kwargs["mixed_precision"] = None
-        target_module_to_kwargs[module] = kwargs
+        if module not in ignored_modules and isinstance(module, classes):
+            kwargs = target_module_to_kwargs.get(module, root_kwargs)
+            target_module_to_kwargs[module] = {**kwargs, "mixed_precision": None}
     return target_module_to_kwargs
 
 
@@ -322,12 +308,11 @@ def _override_module_mixed_precision(
     classes = tuple(set(module_classes_to_override))
     found: set[type[nn.Module]] = set()
     for module in root.modules():
-        if not isinstance(module, classes):
-            continue
-        found.add(type(module))
-        module._wrap_overrides = wrap_override_dict
-        module.register_forward_pre_hook(_cast_inputs_to_fp32, prepend=False)
-        module.register_forward_hook(_cast_outputs_back, prepend=False)
+        if isinstance(module, classes):
+            found.add(type(module))
+            module._wrap_overrides = wrap_override_dict
+            module.register_forward_pre_hook(_cast_inputs_to_fp32, prepend=False)
+            module.register_forward_hook(_cast_outputs_back, prepend=False)
     return found
 
 
@@ -407,13 +392,18 @@ def _claim_params(
     reaches, in that order, skipping ``claimed`` ones (and marking what it takes claimed). A
     parameter registered under several names inside the unit gets the first one (as FSDP1 names
     it), so the order is ``named_parameters()`` order."""
-    result: dict[str, nn.Parameter] = {}
+    names: dict[nn.Parameter, str] = {}
     for name, module in _walk_unit(unit, prefix, walked):
         for param_name, param in module.named_parameters(recurse=False):
-            if param not in claimed:
-                claimed.add(param)
-                result[f"{name}.{param_name}" if name else param_name] = param
-    return result
+            names.setdefault(param, f"{name}.{param_name}" if name else param_name)
+    return {names[param]: param for param in _take(list(names), claimed)}
+
+
+def _take(tensors: list[torch.Tensor], taken: set[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats and without ``taken`` ones, in order; marks them taken."""
+    new = [t for t in dict.fromkeys(tensors) if t not in taken]
+    taken.update(new)
+    return new
 
 
 def _walk_unit(
