@@ -75,7 +75,7 @@ def pytest_addoption(parser):
         type=float,
         default=1.0,
         help="seconds of measured rounds per task (rounds = budget / warm-up round, "
-        "clamped to [3, 30]; default 1.0)",
+        "clamped to [3, 30]; the paired area: to [16, 200]; default 1.0)",
     )
     g.addoption(
         "--cpu-allocator",
@@ -408,6 +408,10 @@ def make_record(case: Case, result: TaskResult, perf: PerfSession) -> dict:
         rec["floor"] = case.floor
         rec["floor_median_s"] = floor_med
         rec["ratio_to_floor"] = med / floor_med if floor_med else None
+        floor_times = result.times[case.floor_key]
+        if len(floor_times) == len(times) and all(floor_times):  # same rounds, paired
+            # each round's time over its floor's in the same round: the report's paired statistics
+            rec["round_ratios"] = [t / f for t, f in zip(times, floor_times)]
     nbytes = info.get("local_padded_bytes") if case.area == "padding" else info.get("gather_bytes")
     if nbytes and med:
         if case.area == "padding":
@@ -464,8 +468,10 @@ def _reuse_cpu_memory() -> str:
     for name, value in _GLIBC_REUSE.items():
         os.environ.setdefault(name, value)
     shown = ", ".join(f"{n}={os.environ[n]}" for n in _GLIBC_REUSE)
-    return (f"CPU ranks reuse freed memory ({shown}), as a GPU caching allocator would; "
-            "--cpu-allocator system measures with fresh page-faulted buffers")
+    return (
+        f"CPU ranks reuse freed memory ({shown}), as a GPU caching allocator would; "
+        "--cpu-allocator system measures with fresh page-faulted buffers"
+    )
 
 
 _KEY = pytest.StashKey[PerfSession]()

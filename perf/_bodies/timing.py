@@ -13,6 +13,11 @@ Warm-up rounds run first and are discarded; their slowest-rank duration also siz
 measured rounds (``budget_s / warm-up round``, clamped to ``[min_rounds, max_rounds]``), agreed on
 by all ranks through an all-reduce(MAX) so every rank runs the same number of collectives.
 In quick mode there is no warm-up and one round: a correctness run, not a measurement.
+
+With ``alternate=True`` every other round runs the steps in reverse order, so that no step is
+always first (or always last) in its round: a pair of steps compared round by round (the paired
+area's per-round ratios) then carries no fixed position effect, and each step follows the other
+and itself equally often.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def measure(
     min_rounds: int = 5,
     max_rounds: int = 40,
     budget_s: float = 1.5,
+    alternate: bool = False,
 ) -> dict[str, list[float]]:
     """This rank's per-round seconds for every step (see the module note)."""
     if quick:
@@ -75,7 +81,8 @@ def measure(
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     rounds = min(max_rounds, max(min_rounds, math.ceil(budget_s / max(agreed.item(), 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for i in range(rounds):
+        for name, step in reversed(order) if alternate and i % 2 else order:
             times[name].append(_one(step, ctx.device))
     return times
