@@ -8,6 +8,8 @@ pytest-benchmark JSON.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -299,6 +301,58 @@ def _state_dict(ix: Index) -> list[str]:
 
 # ------------------------------------------------------------------------------------ paired
 PAIRED_PATHS = {"unshard": "unshard+reshard", "full_sd": "FULL state dict (DCP)"}
+CONFIDENCE = 0.95
+# the paired targets: the reference's path at these world sizes, ≤ 1.00× upstream's
+PAIRED_TARGETS = (("unshard", (1,)), ("full_sd", (2, 4)))
+
+
+def median_ci(values, confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of the distribution ``values`` were
+    drawn from, from their order statistics; ``None`` when there are too few values for one.
+
+    [Note: paired statistics]
+    Each round of a paired case gives one ratio ``r_i`` = the implementation's time / upstream's
+    time in the same round, so load that hits the round hits both (pairing). A case is summed up
+    by the median of its ``r_i`` and an interval for the median of their distribution.
+
+    Why order statistics and not a bootstrap or a t-interval: per-round ratios are skewed and
+    heavy-tailed (a load spike lands on one step of a round), so nothing normal can be assumed;
+    and rounds are few (16 at the least), where a bootstrap of the median is coarse and
+    under-covers, and needs a random stream. For ``n`` independent draws of a continuous
+    distribution with median ``M``, the number of draws below ``M`` is Binomial(n, 1/2)
+    whatever the distribution, so the sorted values' ``[r_(k), r_(n+1-k)]`` covers ``M`` with
+    probability ``1 - 2 P(Bin(n, 1/2) <= k - 1)``, exactly; ``k`` is the largest for which that
+    is at least ``confidence``. A 95% interval needs ``n >= 6`` (then it is ``[min, max]``).
+    The interval is the dual of the sign test: its lower bound is above 1 exactly when a
+    one-sided sign test at level ``(1 - confidence) / 2`` says the median ratio is above 1.
+
+    What it assumes: rounds are independent draws. Machine load is correlated over seconds, so
+    neighbouring rounds are not quite independent and the true coverage can fall short of the
+    stated one; the steps' order alternates round by round so that the position in a round
+    biases neither.
+    """
+    xs, n = sorted(values), len(values)
+    tail, k = 0.0, 0  # P(Bin(n, 1/2) <= j), and the largest admissible k so far
+    for j in range(n // 2):
+        tail += math.comb(n, j) / 2**n
+        if 2 * tail > 1 - confidence:
+            break
+        k = j + 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def _paired_stats(r: dict, confidence: float = CONFIDENCE) -> dict:
+    """Median per-round ratio, its interval and the rounds count of one paired record."""
+    ratios = r.get("round_ratios") or []
+    return {
+        "n": len(ratios),
+        "median": statistics.median(ratios) if ratios else None,
+        "ci": median_ci(ratios, confidence) if ratios else None,
+    }
+
+
+def _ci(ci) -> str:
+    return "–" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
 def _paired(ix: Index) -> list[str]:
@@ -309,41 +363,84 @@ def _paired(ix: Index) -> list[str]:
         "## Paired with upstream",
         "",
         "The implementation and upstream torch FSDP2 in one task, their steps interleaved round by "
-        "round, so machine load hits both alike: `vs upstream` = median / upstream's median of the "
-        "same rounds.",
+        "round (their order swapped every other round), so machine load hits both alike. "
+        "`vs upstream` = median / upstream's median; `per round` = the median of the per-round "
+        "ratios (the implementation's time / upstream's in the same round), with a "
+        f"{CONFIDENCE:.0%} distribution-free interval for it (order statistics, see "
+        "`perf/report.py::median_ci`) over `rounds` rounds.",
         "",
-        "| world size | shapes | path | impl | ms | upstream ms | vs upstream | spread |",
-        "|---|---|---|---|---|---|---|---|",
+        "| world size | shapes | path | impl | ms | upstream ms | vs upstream | per round | "
+        f"{CONFIDENCE:.0%} CI | rounds | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(recs, key=lambda r: (r["world_size"], r["path"], _cfg(r), r["impl"])):
+        st = _paired_stats(r)
         out.append(
             f"| {r['world_size']} | {_cfg_name(_cfg(r))} | {PAIRED_PATHS[r['path']]} | {r['impl']} "
             f"| {_ms(r['median_s'])} | {_ms(r['floor_median_s'])} | {_x(r['ratio_to_floor'])} "
-            f"| {r['iqr_rel']:.0%} |"
+            f"| {_x(st['median'])} | {_ci(st['ci'])} | {st['n']} | {r['iqr_rel']:.0%} |"
         )
     return out + [""]
+
+
+def paired_verdict(recs: list[dict], confidence: float = CONFIDENCE) -> tuple[str, list[dict]]:
+    """``("met" | "not met" | "not judged", per-case stats)`` for "≤ 1.00× upstream" over
+    ``recs``. The intervals hold jointly at ``confidence`` (Bonferroni: each case's at
+    ``1 - (1 - confidence) / m`` for ``m`` cases), so that a target at true parity in every case
+    is called "not met" with probability at most ``(1 - confidence) / 2``, however many cases it
+    has (one-sided). **not met**: some case is significantly slower (its interval's lower bound
+    is above 1.00); **met**: no case is, and every case has an interval; **not judged**: no case
+    is significantly slower but some case has too few rounds for an interval."""
+    per_case = 1 - (1 - confidence) / max(len(recs), 1)
+    cases = [
+        {"name": f"ws{r['world_size']} {_cfg_name(_cfg(r))}", "point": r.get("ratio_to_floor"),
+         **_paired_stats(r, per_case)}
+        for r in recs
+    ]  # fmt: skip
+    if any(c["ci"] and c["ci"][0] > 1.0 for c in cases):
+        return "not met", cases
+    return ("met" if all(c["ci"] for c in cases) else "not judged"), cases
 
 
 def _paired_targets(ix: Index) -> list[str]:
     """Paired-rounds targets: ws 1 unshard and the FULL state dict at ws 2/4 ≤ 1.0× upstream."""
     out = []
-    for path, world_sizes in (("unshard", (1,)), ("full_sd", (2, 4))):
-        pts = [
-            (f"ws{r['world_size']} {_cfg_name(_cfg(r))}", r["ratio_to_floor"])
+    for path, world_sizes in PAIRED_TARGETS:
+        recs = [
+            r
             for r in ix.records
             if r["area"] == "paired" and r["impl"] == REF and r["path"] == path
             and r["world_size"] in world_sizes and r.get("ratio_to_floor")
-        ]
+        ]  # fmt: skip
+        recs.sort(key=lambda r: (r["world_size"], _cfg(r)))
         where = "/".join(map(str, world_sizes))
-        if not pts:
-            out.append(f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired), ws {where}: "
-                       "not measured")
+        if not recs:
+            out.append(
+                f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired), ws {where}: not measured"
+            )
             continue
-        worst = max(pts, key=lambda p: p[1])
+        verdict, cases = paired_verdict(recs)
+        per_case = 1 - (1 - CONFIDENCE) / len(cases)
+        slower = [c["name"] for c in cases if c["ci"] and c["ci"][0] > 1.0]
+        faster = [c["name"] for c in cases if c["ci"] and c["ci"][1] < 1.0]
+        unjudged = [c["name"] for c in cases if not c["ci"]]
+        if slower:
+            why = f"significantly slower on {', '.join(slower)}"
+        elif unjudged:
+            why = f"too few per-round ratios for an interval on {', '.join(unjudged)}"
+        else:
+            why = "no case significantly slower" + (
+                f"; significantly faster in {len(faster)}/{len(cases)} cases" if faster else ""
+            )
         out.append(
             f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired rounds), ws {where}: "
-            f"**{'met' if worst[1] <= 1.0 else 'not met'}** (worst {worst[1]:.2f}× on "
-            f"{worst[0]}; " + ", ".join(f"{n} {x:.2f}×" for n, x in pts) + ")"
+            f"**{verdict}** ({why}; joint {CONFIDENCE:.0%} intervals, each case's at "
+            f"{per_case:.2%}). Per case: ratio of medians / median per-round ratio "
+            "[interval], rounds: "
+            + "; ".join(
+                f"{c['name']} {_x(c['point'])} / {_x(c['median'])} {_ci(c['ci'])}, {c['n']}"
+                for c in cases
+            )
         )
     return out
 
@@ -452,8 +549,13 @@ def _targets(ix: Index) -> list[str]:
     out += [
         "",
         "A target counts as met only if it holds in every measured case; ratios between "
-        "implementations come from separate tasks and carry the machine's noise, except the "
-        "paired ones (same task, alternating rounds), which still carry its spread. On CPU/gloo the "
+        "implementations come from separate tasks and carry the machine's noise. The paired "
+        "targets (same task, alternating rounds) are judged statistically instead: **met** "
+        "means no case is significantly slower than upstream, i.e. in every case the "
+        "interval for the median per-round ratio reaches down to 1.00× or below (intervals "
+        f"joint at {CONFIDENCE:.0%} over the target's cases), **not met** that some case's "
+        "interval lies wholly above 1.00×; a wide interval means that case could not be told "
+        "apart from parity either way, so read the intervals with the verdict. On CPU/gloo the "
         "copies of the path and the collective share the same cores, so the all-gather "
         "target is really a GPU target; and gloo's single large all-gather is not always a "
         "floor (several smaller all-gathers of the same bytes can beat it at 32-64 MiB, which "
