@@ -144,9 +144,7 @@ def lambda_auto_wrap_policy(
     module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable
 ) -> bool:
     """Look inside everything; wrap ``module`` iff ``lambda_fn(module)`` is true."""
-    if recurse:
-        return True
-    return lambda_fn(module)
+    return recurse or lambda_fn(module)
 
 
 def transformer_auto_wrap_policy(
@@ -168,9 +166,7 @@ def _wrap_module_cls_individually(
     module: nn.Module, module_classes: Sequence[type], recurse: bool, *args, **kwargs
 ) -> bool:
     """Look inside everything; wrap ``module`` iff it is an instance of ``module_classes``."""
-    if recurse:
-        return True
-    return isinstance(module, tuple(module_classes))
+    return recurse or isinstance(module, tuple(module_classes))
 
 
 def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies) -> bool:
@@ -208,10 +204,8 @@ def size_based_auto_wrap_policy(
         force_leaf_modules = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
     if exclude_wrap_modules is None:
         exclude_wrap_modules = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
-    large = nonwrapped_numel >= min_num_params
-    if recurse:
-        return large and not isinstance(module, tuple(force_leaf_modules))
-    return large and not isinstance(module, tuple(exclude_wrap_modules))
+    classes = force_leaf_modules if recurse else exclude_wrap_modules  # not entered / not wrapped
+    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(classes))
 
 
 size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}

@@ -62,9 +62,8 @@ def _auto_wrap(
     targets = _decide_targets(
         root_module, policy, ignored_modules, ignored_params, root_kwargs, key
     )
-    if root_kwargs["mixed_precision"] is not None:
-        classes = root_kwargs["mixed_precision"]._module_classes_to_ignore
-        _override_module_mixed_precision(root_module, classes)
+    classes = getattr(root_kwargs["mixed_precision"], "_module_classes_to_ignore", ())
+    _override_module_mixed_precision(root_module, classes)  # none without mixed precision
     _post_order_apply(root_module, _construct_wrap_fn(root_module, targets, fsdp_fn))
 
 
@@ -149,18 +148,17 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
                 visited.add(child)
                 visit(child, child_name, module)
         replacement = fn(module)
-        if replacement is None:
-            return
-        if not isinstance(parent, nn.Module):
-            raise AssertionError(  # noqa: TRY004 (upstream's exception type)
-                "Non-root modules should have their parent module set but got "
-                f"{parent} for {module}"
-            )
-        if not isinstance(replacement, nn.Module):
-            raise AssertionError(  # noqa: TRY004 (upstream's exception type)
-                f"fn should return None or an nn.Module but got {replacement}"
-            )
-        setattr(parent, name, replacement)
+        if replacement is not None:
+            if not isinstance(parent, nn.Module):
+                raise AssertionError(  # noqa: TRY004 (upstream's exception type)
+                    "Non-root modules should have their parent module set but got "
+                    f"{parent} for {module}"
+                )
+            if not isinstance(replacement, nn.Module):
+                raise AssertionError(  # noqa: TRY004 (upstream's exception type)
+                    f"fn should return None or an nn.Module but got {replacement}"
+                )
+            setattr(parent, name, replacement)
 
     visit(root_module, "", None)
 
