@@ -78,10 +78,8 @@ class ModuleWrapPolicy(_Policy):
     otherwise ``isinstance``), for example inside :func:`_or_policy`.
     """
 
-    _module_classes: set[type[nn.Module]]  # the classes to wrap, deduplicated; never changed
-
     def __init__(self, module_classes: Iterable[type[nn.Module]]):
-        self._module_classes = set(module_classes)
+        self._module_classes = set(module_classes)  # deduplicated; never changed (repr shows it)
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
         classes = tuple(self._module_classes)
@@ -108,8 +106,6 @@ class CustomPolicy(_Policy):
     Any other answer (``1``, ``None``, a string, ...) raises ``ValueError`` before anything is
     wrapped.
     """
-
-    _lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]):
         self._lambda_fn = lambda_fn

@@ -106,15 +106,13 @@ def build_wrap_plan(
     The model is not modified (no attribute, hook or child changes).
     """
     root_kwargs = dict(root_kwargs or {})
-    ignored_module_set, ignored_param_set = _get_ignored_states(
-        root, ignored_modules, ignored_params
-    )
-    targets = _decide_targets(root, policy, ignored_module_set, ignored_param_set, root_kwargs)
+    ignored_modules, ignored_params = _get_ignored_states(root, ignored_modules, ignored_params)
+    targets = _decide_targets(root, policy, ignored_modules, ignored_params, root_kwargs)
     entries = [
         WrapPlanEntry(fqn, MappingProxyType(dict(targets.get(unit, root_kwargs))), tuple(managed))
-        for fqn, unit, managed in _managed_params(root, {*targets, root}, ignored_param_set)
+        for fqn, unit, managed in _managed_params(root, {*targets, root}, ignored_params)
     ]
-    ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_param_set)
+    ignored_fqns = tuple(n for n, p in root.named_parameters() if p in ignored_params)
     return WrapPlan(tuple(entries), ignored_fqns)
 
 

@@ -26,7 +26,7 @@ import functools
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -230,16 +230,12 @@ def _get_ignored_states(
     """
     modules, params = list(ignored_modules), list(ignored_params)
     for items, cls, what in (
-        (modules, nn.Module, "ignored_modules expects nn.Module list elements"),
-        (
-            params,
-            nn.Parameter,
-            "ignored_states expects all nn.Parameter or all nn.Module list elements",
-        ),
+        (modules, nn.Module, "ignored_modules expects nn.Module"),
+        (params, nn.Parameter, "ignored_states expects all nn.Parameter or all nn.Module"),
     ):
         if not all(isinstance(x, cls) for x in items):
             kinds = sorted({type(x) for x in items}, key=repr)
-            raise ValueError(f"{what} but got types {kinds}")
+            raise ValueError(f"{what} list elements but got types {kinds}")
     if any(_has_fsdp_state(m) for m in modules):
         raise ValueError("`ignored_modules` should not include FSDP modules")
     ignored = {m for top in modules for m in top.modules() if not _has_fsdp_state(m)}
@@ -260,7 +256,7 @@ _MODULE_TO_INP_DTYPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _run_mixed_precision_override_policy(
     root_module: nn.Module,
-    module_classes: Iterable[type[nn.Module]],
+    module_classes: Sequence[type[nn.Module]],
     ignored_modules: set[nn.Module],
     root_kwargs: dict[str, Any],
     target_module_to_kwargs: dict[nn.Module, dict[str, Any]],
@@ -272,9 +268,8 @@ def _run_mixed_precision_override_policy(
     sets its ``"mixed_precision"`` to ``None``); here each gets its own copy, which builds the same
     units without changing the caller's dict.
     """
-    classes = tuple(set(module_classes))
     for module in root_module.modules():
-        if module not in ignored_modules and isinstance(module, classes):
+        if module not in ignored_modules and isinstance(module, tuple(module_classes)):
             kwargs = target_module_to_kwargs.get(module, root_kwargs)
             target_module_to_kwargs[module] = {**kwargs, "mixed_precision": None}
     return target_module_to_kwargs
@@ -293,7 +288,7 @@ def _warn_on_overridden_mixed_precision(overridden_module_classes: set[type[nn.M
 
 
 def _override_module_mixed_precision(
-    root: nn.Module, module_classes_to_override: Iterable[type[nn.Module]]
+    root: nn.Module, module_classes_to_override: Sequence[type[nn.Module]]
 ) -> set[type[nn.Module]]:
     """Prepare each instance of the classes to run in fp32 inside a low-precision model.
 
@@ -303,10 +298,9 @@ def _override_module_mixed_precision(
     floating-point outputs back to the remembered dtype. Returns the exact types found.
     """
     wrap_override_dict = {"mixed_precision": None}
-    classes = tuple(set(module_classes_to_override))
     found: set[type[nn.Module]] = set()
     for module in root.modules():
-        if isinstance(module, classes):
+        if isinstance(module, tuple(module_classes_to_override)):
             found.add(type(module))
             module._wrap_overrides = wrap_override_dict
             module.register_forward_pre_hook(_cast_inputs_to_fp32, prepend=False)

@@ -753,3 +753,68 @@ def test_custom_policy_kwargs_match_torch_fsdp1(uniform):
             assert want_strategy == ShardingStrategy.FULL_SHARD
             assert kwargs["backward_prefetch"] == BackwardPrefetch.BACKWARD_PRE
             assert unit.mixed_precision == mp
+
+
+# --- FSDP1's constructor uses the same ignored-state normalisation ----------------------------
+
+
+def _fsdp1_ignored_states_outcomes(rank, world_size):
+    """Each case built with the reference's and torch's FSDP1: ``(error type, message)`` or
+    ``("ok", the ignored parameter FQNs, the "top-level module" warnings)``."""
+    import reference
+
+    def build(fsdp_cls, case):
+        torch.manual_seed(0)
+        model = nested_sequential()
+        kwargs = {"device_id": CPU} if fsdp_cls is FSDP else {}
+        args = {
+            "modules-with-an-int": {"ignored_modules": [model[0], 1]},
+            "states-mixed": {"ignored_states": [model[0].weight, model[1]]},
+            "states-plain-tensor": {"ignored_states": [torch.ones(1)]},
+            "states-modules": {"ignored_states": [model[2]]},
+            "states-params": {"ignored_states": [model[0].weight, model[2][1].bias]},
+            "modules-root": {"ignored_modules": [model]},
+        }.get(case)
+        if case == "modules-fsdp-child":
+            model[2] = fsdp_cls(model[2], **kwargs)
+            args = {"ignored_modules": [model[2]]}
+        fsdp = fsdp_cls(model, **args, **kwargs)
+        names = {p: n for n, p in model.named_parameters()}
+        return sorted(names[p] for p in fsdp._ignored_params if p in names)
+
+    outcomes = {}
+    cases = ("modules-with-an-int", "states-mixed", "states-plain-tensor", "states-modules")
+    cases += ("states-params", "modules-root", "modules-fsdp-child")
+    for case in cases:
+        for name, fsdp_cls in (("reference", reference.FullyShardedDataParallel), ("torch", FSDP)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    ignored = build(fsdp_cls, case)
+                except Exception as e:  # noqa: BLE001 - the outcome under test
+                    outcomes[case, name] = (type(e).__name__, str(e))
+                    continue
+            top = [str(w.message)[:60] for w in caught if "top-level module" in str(w.message)]
+            outcomes[case, name] = ("ok", ignored, top)
+    return outcomes
+
+
+def test_fsdp1_ignored_states_as_torch():
+    from tests._spawn import run_on_ranks
+
+    (outcomes,) = run_on_ranks(_fsdp1_ignored_states_outcomes, 1)
+    cases = sorted({case for case, _ in outcomes})
+    assert len(cases) == 7
+    for case in cases:
+        assert outcomes[case, "reference"] == outcomes[case, "torch"], case
+    # the cases cover errors, warnings and successes (so the comparison above is not vacuous)
+    kinds = {case: outcomes[case, "torch"][0] for case in cases}
+    assert kinds["modules-with-an-int"] == kinds["states-mixed"] == "ValueError"
+    assert kinds["modules-fsdp-child"] == "ValueError"
+    assert outcomes["states-modules", "torch"][1] == [
+        "2.0.bias",
+        "2.0.weight",
+        "2.1.bias",
+        "2.1.weight",
+    ]
+    assert outcomes["modules-root", "torch"][2], "torch warns when the root itself is ignored"

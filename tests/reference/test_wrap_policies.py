@@ -716,6 +716,17 @@ def test_w16_sibling_sharing_first_owner_and_lca():
     assert len(mapping) == 1 and mapping[m.seq1[0].weight] is m
 
 
+def test_w16_shared_buffer_goes_to_the_first_unit():
+    m = StatesModel("parent_child")
+    m.seq2[1].register_buffer("alias", m.seq1.seq1_buffer)  # one buffer, two units' subtrees
+    states = _get_fully_sharded_module_to_states(
+        m, W.ModuleWrapPolicy({nn.Sequential}), set(), set()
+    )
+    # seq1 comes before seq2 in modules() order, so it takes the shared buffer
+    assert _same(states[m.seq1].buffers, [m.seq1.seq1_buffer])
+    assert _same(states[m.seq2].buffers, [m.seq2[1].seq2_1_buffer])
+
+
 def test_w16_root_only_without_policy_and_ignored():
     m = StatesModel("parent_child")
     states = _get_fully_sharded_module_to_states(m, None, set(), {m.lin.weight})
