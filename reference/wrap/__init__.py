@@ -9,7 +9,8 @@ the ones before it:
   ``_wrap_utils.py``);
 * ``_wrap_plan``: :func:`build_wrap_plan`, what a policy would wrap, without touching the model.
 
-This part imports neither FSDP implementation; it recognises their modules by class lookup only.
+This part imports neither FSDP implementation; it recognises their modules by class name only
+(``_wrap_utils._has_fsdp_state``).
 """
 
 # ruff: noqa: F401, F403 (this module re-exports the names of its three modules)
