@@ -18,8 +18,9 @@ Imports run one way (``tests/reference/test_structure.py`` checks it, function-l
 included; no cycles inside a part either). A part may import only the parts below it:
 
 * ``reference.api``: FSDP1's configuration types; imports no other part.
-* ``reference.wrap``: policies, applying and planning; may import ``api``. It recognises the FSDP
-  implementations only by class lookup, and builds units with the ``wrapper_cls`` it is given.
+* ``reference.wrap``: policies, applying and planning; may import ``api``. It recognises an FSDP
+  module by its class name (``FullyShardedDataParallel`` / ``FSDPModule`` in its MRO), never by
+  import, and builds units with the ``wrapper_cls`` it is given.
 * ``reference._fsdp1``: may import ``api`` and ``wrap`` (its constructor applies the
   ``auto_wrap_policy``, as upstream's does).
 * ``reference._fully_shard``: may import ``api``; independent of FSDP1 and wrap.
