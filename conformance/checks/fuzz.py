@@ -27,7 +27,7 @@ from conformance.checks._sd_models import (
 )
 from conformance.checks.layout import flat_range
 from conformance.checks.training import assert_close, local_chunk
-from conformance.fuzz import fuzz_check
+from conformance.fuzz import Drop, fuzz_check
 from conformance.fuzz import model as fm
 from conformance.fuzz import strategies as fs
 from conformance.registry import check
@@ -39,7 +39,12 @@ FP32 = {"loss": dict(rtol=1e-4, atol=1e-4), "param": dict(rtol=1e-4, atol=1e-4)}
 # parameters themselves by ~4e-3 relative, which tiny updates of a random model do not dominate);
 # a missing or doubled divide is off by 100% of the update
 MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.25, "atol": 1e-3}
-NO_TRAINING = fs.ALL_FEATURES - {fs.ORIG_PARAMS, fs.TRAINING, fs.CPU_OFFLOAD, fs.RANK0_ONLY}  # layout's
+NO_TRAINING = fs.ALL_FEATURES - {
+    fs.ORIG_PARAMS,
+    fs.TRAINING,
+    fs.CPU_OFFLOAD,
+    fs.RANK0_ONLY,
+}  # layout's
 
 
 def shard(ctx, example: dict, salt: int = 0, impl=None, plain: bool = False):
@@ -65,8 +70,13 @@ def train(ctx, model, oracle, example: dict, steps: int) -> None:
         oloss = fm.per_sample_loss(oracle(x, t), y)
         oloss.mean().backward()
         loss.backward()
-        assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(),
-                     MP_TOL["loss"] if low else FP32["loss"])
+        assert_close(
+            ctx,
+            f"step {step} loss",
+            loss,
+            oloss[mine].mean(),
+            MP_TOL["loss"] if low else FP32["loss"],
+        )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
@@ -82,8 +92,10 @@ def placement_dims(example: dict, oracle) -> dict[str, int]:
     for name, p in oracle.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
     placements = example.get("placements", {})
-    return {name: placements.get(first[id(p)], 0)
-            for name, p in oracle.named_parameters(remove_duplicate=False)}
+    return {
+        name: placements.get(first[id(p)], 0)
+        for name, p in oracle.named_parameters(remove_duplicate=False)
+    }
 
 
 def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
@@ -92,8 +104,10 @@ def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     impl = impl or ctx.impl
     if base.DTENSOR_PARAMS in impl.capabilities:  # an empty parameter has nothing to gather (and
         # torch 2.13 cannot gather a zero-trailing one: layout::per_param_dim0_*[*-zero-trailing-)
-        return {clean_fqn(n): p.detach().full_tensor().cpu() if p.numel() else torch.zeros(p.shape)
-                for n, p in model.named_parameters()}
+        return {
+            clean_fqn(n): p.detach().full_tensor().cpu() if p.numel() else torch.zeros(p.shape)
+            for n, p in model.named_parameters()
+        }
     return full_params(ctx, model, impl)
 
 
@@ -106,7 +120,11 @@ def saved_values(ctx, example: dict, model, oracle) -> dict[str, torch.Tensor]:
     params = gathered(ctx, model)
     mp = example.get("options", {}).get("mixed_precision") or {}
     low = getattr(torch, mp["buffer_dtype"]) if mp.get("buffer_dtype") else None
-    fp32_units = {n for n, m in oracle.named_modules() if isinstance(m, fm.BatchNormLeaf)} if example["wrap"] else set()
+    fp32_units = (
+        {n for n, m in oracle.named_modules() if isinstance(m, fm.BatchNormLeaf)}
+        if example["wrap"]
+        else set()
+    )
     first, out = {}, {}
     for name, p in oracle.named_parameters(remove_duplicate=False):
         out[name] = params[first.setdefault(id(p), name)]
@@ -134,52 +152,68 @@ def layout(ctx, example):
     originals = oracle_params(oracle)
     if base.PER_PARAM_DIM0 in ctx.impl.capabilities:
         views = {clean_fqn(k): v for k, v in ctx.impl.local_shards(model).items()}
-        assert set(views) == set(originals), f"{ctx.where()} parameters {sorted(views)} != {sorted(originals)}"
+        assert set(views) == set(originals), (
+            f"{ctx.where()} parameters {sorted(views)} != {sorted(originals)}"
+        )
         for fqn, orig in originals.items():
             dim = example.get("placements", {}).get(fqn, 0)
             expected = local_chunk(orig, dim, ctx.world_size, ctx.rank)
             local = views[fqn].local.detach().cpu()
             if orig.numel() == 0:  # no values to place (zero-trailing shapes: layout.py's cases)
-                assert local.numel() == 0, f"{ctx.where()} {fqn}: {local.numel()} local elements of an empty parameter"
+                assert local.numel() == 0, (
+                    f"{ctx.where()} {fqn}: {local.numel()} local elements of an empty parameter"
+                )
                 continue
             assert local.shape == expected.shape and torch.equal(local, expected), (
                 f"{ctx.where()} {fqn} {tuple(orig.shape)} Shard({dim}): local shard {tuple(local.shape)} "
                 f"{local.reshape(-1)[:4].tolist()}, expected its chunk {tuple(expected.shape)} "
-                f"{expected.reshape(-1)[:4].tolist()}")
+                f"{expected.reshape(-1)[:4].tolist()}"
+            )
             padded = views[fqn].padded
             if dim == 0 and base.PADDED_STORAGE in ctx.impl.capabilities and padded is not None:
                 rows = chunk_size(orig.shape[0], ctx.world_size)
                 want = rows * fm.numel(orig.shape[1:])
                 assert padded.numel() == want, (
-                    f"{ctx.where()} {fqn}: padded storage of {padded.numel()} elements, expected {want}")
-                assert not padded.detach().cpu()[expected.numel():].any(), (
-                    f"{ctx.where()} {fqn}: padding after element {expected.numel()} is not zero")
+                    f"{ctx.where()} {fqn}: padded storage of {padded.numel()} elements, expected {want}"
+                )
+                assert not padded.detach().cpu()[expected.numel() :].any(), (
+                    f"{ctx.where()} {fqn}: padding after element {expected.numel()} is not zero"
+                )
     elif base.FLAT_PARAM in ctx.impl.capabilities:
         seen = []
         for fqns, shard_ in ctx.impl.flat_shards(model):
             fqns = [clean_fqn(f) for f in fqns]
             order = [f for f in originals if f in fqns]
-            assert fqns == order, f"{ctx.where()} flat parameter order {fqns}, expected registration order {order}"
+            assert fqns == order, (
+                f"{ctx.where()} flat parameter order {fqns}, expected registration order {order}"
+            )
             flat = torch.cat([originals[f].reshape(-1) for f in fqns]) if fqns else torch.zeros(0)
             start, end, chunk = flat_range(flat.numel(), ctx.world_size, ctx.rank)
             got = shard_.detach().cpu()
             assert got.numel() == chunk and torch.equal(got[: end - start], flat[start:end]), (
                 f"{ctx.where()} flat parameter of {fqns}: shard of {got.numel()} elements "
-                f"{got[:4].tolist()}, expected elements {start}:{end} of {flat.numel()} padded to {chunk}")
-            assert not got[end - start:].any(), f"{ctx.where()} flat parameter of {fqns}: padding not zero"
+                f"{got[:4].tolist()}, expected elements {start}:{end} of {flat.numel()} padded to {chunk}"
+            )
+            assert not got[end - start :].any(), (
+                f"{ctx.where()} flat parameter of {fqns}: padding not zero"
+            )
             seen += fqns
         assert sorted(seen) == sorted(originals), (
-            f"{ctx.where()} flattened parameters {sorted(seen)} != the model's {sorted(originals)}")
+            f"{ctx.where()} flattened parameters {sorted(seen)} != the model's {sorted(originals)}"
+        )
     else:
         raise NotSupported(f"{base.PER_PARAM_DIM0} or {base.FLAT_PARAM}")
     reassembled = full_params(ctx, model)
     for fqn, orig in originals.items():
         if example.get("placements", {}).get(fqn, 0) == 0:  # full_params reads dim-0 views
             assert torch.equal(reassembled[fqn], orig), (
-                f"{ctx.where()} {fqn}: reassembled from the ranks' shards, it differs from the original")
+                f"{ctx.where()} {fqn}: reassembled from the ranks' shards, it differs from the original"
+            )
     if base.DTENSOR_PARAMS in ctx.impl.capabilities:
         for fqn, full in gathered(ctx, model).items():
-            assert torch.equal(full, originals[fqn]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+            assert torch.equal(full, originals[fqn]), (
+                f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+            )
 
 
 @fuzz_check(features=fs.ALL_FEATURES)
@@ -197,13 +231,16 @@ def train_parity(ctx, example):
     scale = max((v - before[n]).norm().item() for n, v in want.items())
     for fqn, value in want.items():
         if not low:
-            assert_close(ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"])
+            assert_close(
+                ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"]
+            )
             continue
         err = (got[fqn] - value).float().norm().item()
         assert err <= MP_TOL["update"] * scale + MP_TOL["atol"], (
             f"{ctx.where()} {fqn}: after {example['steps']} mixed-precision steps the parameters are "
             f"{err:.3g} (norm) from the fp32 oracle's, more than 25% of the largest update "
-            f"{scale:.3g} + 1e-3")
+            f"{scale:.3g} + 1e-3"
+        )
 
 
 def _kind(impl, kind: str) -> str:
@@ -218,13 +255,39 @@ def _kind(impl, kind: str) -> str:
         return "sharded"
     elif base.DTENSOR_STATE_DICT in caps:
         return "dtensor"
-    raise NotSupported(f"{kind} state dict ({base.FULL_STATE_DICT if kind == 'full' else base.SHARDED_STATE_DICT} "
-                       f"or {base.DTENSOR_STATE_DICT})")
+    raise NotSupported(
+        f"{kind} state dict ({base.FULL_STATE_DICT if kind == 'full' else base.SHARDED_STATE_DICT} "
+        f"or {base.DTENSOR_STATE_DICT})"
+    )
 
 
-@fuzz_check(features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD},
-            drop={"full": {fs.TIES}, "sharded": {fs.ZERO_SIZE, fs.RANK0_ONLY}})
-@check(area="fuzz", requires={base.TRAINING}, cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}})
+# Features left out of state_dict_round_trip's examples, for whom, and why (see the Note in
+# conformance.fuzz); measured with 30 random examples per case at ws 1-3 plus examples that use the
+# feature: ties in FULL dicts and zero-numel parameters in the references' SHARDED dicts pass on
+# every implementation but the one named below
+SD_ROUND_TRIP_DROPS = [
+    Drop(
+        fs.RANK0_ONLY,
+        "rank0_only configures FULL state dicts only (a SHARDED dict has none)",
+        cases="sharded",
+    ),
+    Drop(
+        fs.ZERO_SIZE,
+        "torch 2.13's FSDP1 SHARDED load raises ZeroDivisionError for a unit holding a "
+        "zero-numel parameter at ws >= 2 (found by this fuzzer; pinned by "
+        "state_dict::zero_numel_param_round_trip and its expectations/torch-fsdp1.txt entries)",
+        impls="torch-fsdp1",
+        cases="sharded",
+    ),
+]
+
+
+@fuzz_check(features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD}, drops=SD_ROUND_TRIP_DROPS)
+@check(
+    area="fuzz",
+    requires={base.TRAINING},
+    cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}},
+)
 def state_dict_round_trip(ctx, example, kind):
     """After a training step, a random model's FULL (SHARDED) state dict holds its parameters (this
     rank's dim-0 chunk) under clean keys and its persistent buffers in their own dtype, never the
@@ -238,13 +301,17 @@ def state_dict_round_trip(ctx, example, kind):
     sd = ctx.impl.state_dict(model, impl_kind, **config)
     if config:
         assert ctx.rank == 0 or sd == {}, (
-            f"{ctx.where()} rank0_only: {len(sd)} entries on a rank other than 0, expected none")
+            f"{ctx.where()} rank0_only: {len(sd)} entries on a rank other than 0, expected none"
+        )
         sd = broadcast_from_rank0(ctx, sd)  # rank 0's dict, checked and loaded everywhere
     assert set(sd) == set(expected), (
         f"{ctx.where()} {impl_kind} state-dict keys: missing {sorted(set(expected) - set(sd))}, "
-        f"unexpected {sorted(set(sd) - set(expected))}")
+        f"unexpected {sorted(set(sd) - set(expected))}"
+    )
     dims = placement_dims(example, oracle)
-    full = impl_kind in ("full", "dcp-full") or (ctx.world_size == 1 and base.FLAT_PARAM in ctx.impl.capabilities)
+    full = impl_kind in ("full", "dcp-full") or (
+        ctx.world_size == 1 and base.FLAT_PARAM in ctx.impl.capabilities
+    )
     for name, value in expected.items():
         if name in dims and not full and dims[name] != 0:
             continue  # a Shard(d) entry: checked through the load below
@@ -262,7 +329,10 @@ def _partner(impl):
     return load_implementation(name)
 
 
-@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.TIES, fs.CPU_OFFLOAD, fs.RANK0_ONLY})
+# cross_load saves FULL dicts on every rank (no rank0_only) and builds the partner without the
+# example's options (plain), so mixed precision and CPU offload are state_dict_round_trip's; ties
+# are kept: tied examples pass on all four built-ins (measured at ws 1-2)
+@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.CPU_OFFLOAD, fs.RANK0_ONLY})
 @check(area="fuzz", requires={base.TRAINING})
 def cross_load(ctx, example):
     """A full state dict saved by the implementation loads into the other layout's reference
@@ -274,8 +344,13 @@ def cross_load(ctx, example):
     saved = ctx.impl.state_dict(model, _kind(ctx.impl, "full"))
     other, _ = shard(ctx, example, salt=1, impl=partner, plain=True)
     partner.load_state_dict(other, saved, _kind(partner, "full"))
-    assert_restored(ctx, other, expected, f"{partner.name} after loading {ctx.impl.name}'s full state dict",
-                  impl=partner)
+    assert_restored(
+        ctx,
+        other,
+        expected,
+        f"{partner.name} after loading {ctx.impl.name}'s full state dict",
+        impl=partner,
+    )
     back = partner.state_dict(other, _kind(partner, "full"))
     fresh, _ = shard(ctx, example, salt=2)
     ctx.impl.load_state_dict(fresh, back, _kind(ctx.impl, "full"))

@@ -13,22 +13,78 @@ Budget: by default every fuzz case draws :data:`conformance.fuzz.item.CI_EXAMPLE
 hypothesis derandomized (the same examples on every run; nothing written to a database);
 ``--fuzz-examples N`` draws N random ones. Shrinking stops after
 :data:`conformance.fuzz.item.SHRINK_SECONDS`.
+
+What an example may contain is the check's *features* less its :class:`Drop` s for the case and
+the implementation (see the Note there): a known upstream limitation is steered around for the
+implementation that has it only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def fuzz_check(features, drop=None):
+EVERY = "*"  # ``Drop.impls``: every implementation
+
+
+@dataclass(frozen=True)
+class Drop:
+    """``features`` left out of the examples of a fuzz check's ``cases`` for the implementations
+    named in ``impls`` (built-in names, or :data:`EVERY`), because of ``reason``.
+
+    [Note: per-implementation drops]
+    A drop is for a *known* failure that the fuzz would otherwise find again and again: an upstream
+    limitation already pinned by a hand-written check and an expectation entry (name both in the
+    reason), or a feature that means nothing for a case. It names the implementations it is for,
+    so every other implementation (the reference, a vendor's fork) is still fuzzed on the feature.
+    The examples an implementation gets are a function of the check, the case, the world size and
+    the implementation's name and capabilities only, so a derandomized run draws the same examples
+    every time and a failure reproduces; the reproducer embeds the example itself. Drops are not
+    expectation entries: a fuzz failure's example is random, so an xfail pinned on it could not be
+    strict; a known limitation is pinned by its hand-written check instead."""
+
+    features: frozenset
+    reason: str
+    impls: frozenset = frozenset({EVERY})
+    cases: frozenset = frozenset({EVERY})
+
+    def __post_init__(self):
+        for name in ("features", "impls", "cases"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, frozenset([value] if isinstance(value, str) else value))
+        if not self.reason.strip():
+            raise ValueError(f"fuzz Drop of {sorted(self.features)}: give the reason")
+
+    def applies(self, case: str, impl_name: str) -> bool:
+        return (EVERY in self.cases or case in self.cases) and (
+            EVERY in self.impls or impl_name in self.impls
+        )
+
+
+def dropped(drops, case: str, impl_name: str) -> list[Drop]:
+    """The drops that apply to ``case`` for the implementation called ``impl_name``."""
+    return [d for d in drops if d.applies(case, impl_name)]
+
+
+def fuzz_check(features, drops=()):
     """Mark a registered check as a fuzz check whose examples may use ``features`` (see
-    :mod:`conformance.fuzz.strategies`), less ``drop[case]`` for a case: the plugin collects it as
-    a :class:`~conformance.fuzz.item.FuzzItem`. Put it above ``@check``."""
+    :mod:`conformance.fuzz.strategies`), less those of the :class:`Drop` s in ``drops`` that apply
+    to a case and implementation: the plugin collects it as a :class:`~conformance.fuzz.item.FuzzItem`.
+    Put it above ``@check``."""
 
     def mark(fn):
         from conformance.fuzz.item import FuzzItem
+        from conformance.registry import CHECKS
 
         fn.item_class = FuzzItem
         fn.fuzz_features = frozenset(features)
-        fn.fuzz_drop = {case: frozenset(f) for case, f in (drop or {}).items()}
+        fn.fuzz_drops = tuple(drops)
+        cases = {c for spec in CHECKS if spec.fn is fn for c in spec.cases}
+        unknown = {c for d in fn.fuzz_drops for c in d.cases} - cases - {EVERY}
+        if unknown:  # a misspelt case would silently drop nothing
+            raise ValueError(
+                f"fuzz check {fn.__name__}: Drop for unknown case(s) {sorted(unknown)} "
+                f"(its cases: {sorted(cases)})"
+            )
         return fn
 
     return mark

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from conformance.fuzz import repro
+from conformance.fuzz import dropped, repro
 from conformance.fuzz.strategies import examples
 from conformance.plugin import CheckFailure, CheckItem, _format_failure, _session
 from conformance.runner import protocol
@@ -39,19 +39,27 @@ class FuzzItem(CheckItem):
         case_kwargs = meta.spec.cases[meta.case]
         stats = {"ran": 0, "unsupported": "", "first_failure": None, "smallest": None}
         shrink_for = SHRINK_SECONDS["deep" if deep else "ci"]
-        features = meta.spec.fn.fuzz_features - meta.spec.fn.fuzz_drop.get(meta.case, frozenset())
+        drops = dropped(meta.spec.fn.fuzz_drops, meta.case, impl.name)
+        features = meta.spec.fn.fuzz_features.difference(*(d.features for d in drops))
 
         def run(example):
-            if stats["smallest"] is not None and time.monotonic() > stats["first_failure"] + shrink_for:
+            if (
+                stats["smallest"] is not None
+                and time.monotonic() > stats["first_failure"] + shrink_for
+            ):
                 if example == stats["smallest"].example:  # shrink budget spent: keep that one
                     raise stats["smallest"]
                 return
             group = session.group(meta.world_size)
-            results = group.run(Task(meta.spec.path, meta.impl_spec, {**case_kwargs, "example": example}, timeout))
+            results = group.run(
+                Task(meta.spec.path, meta.impl_spec, {**case_kwargs, "example": example}, timeout)
+            )
             if any(r.status == protocol.NOT_SUPPORTED for r in results) and all(
                 r.status in (protocol.OK, protocol.NOT_SUPPORTED) for r in results
             ):
-                stats["unsupported"] = next(r.detail for r in results if r.status == protocol.NOT_SUPPORTED)
+                stats["unsupported"] = next(
+                    r.detail for r in results if r.status == protocol.NOT_SUPPORTED
+                )
                 reject()
             stats["ran"] += 1
             if any(r.status != protocol.OK for r in results):
@@ -79,13 +87,19 @@ class FuzzItem(CheckItem):
             pytest.skip(f"NotSupported: {impl.name} does not support {stats['unsupported']}")
         except (ExampleFailed, Flaky) as exc:
             failure = exc if isinstance(exc, ExampleFailed) else stats["smallest"]
-            raise self._failure(failure, stats["ran"]) from None
+            raise self._failure(failure, stats["ran"], drops) from None
         self.user_properties.append(("fuzz_examples", stats["ran"]))
 
-    def _failure(self, failure: ExampleFailed, ran: int) -> CheckFailure:
+    def _failure(self, failure: ExampleFailed, ran: int, drops) -> CheckFailure:
         script = repro.snippet(self.meta, failure.example)
         self.user_properties.append(("repro_script", script))
+        left_out = "".join(f"\n  {', '.join(sorted(d.features))}: {d.reason}" for d in drops)
         return CheckFailure(
             f"fuzz example failed (after {ran} example(s), shrunk):\n{failure}\n\n"
-            f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}"
+            + (
+                f"Features left out of this case's examples for {self.meta.impl_name}:{left_out}\n\n"
+                if drops
+                else ""
+            )
+            + f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}"
         )

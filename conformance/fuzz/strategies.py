@@ -18,14 +18,18 @@ implementations (``UPSTREAM``), so the fuzz exercises them on the reference and 
   int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer;
   ``training::train_parity_raf_int_shard_dim1``): an example with placements draws only bool
   ``reshard_after_forward`` values;
-* torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for a module holding a
-  zero-numel parameter (found by this fuzzer): the ``sharded`` state-dict case draws no zero dims;
+* *torch-fsdp1 only*: torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for
+  a module holding a zero-numel parameter (found by this fuzzer): torch-fsdp1's ``sharded``
+  state-dict case draws no zero dims (a :class:`conformance.fuzz.Drop` next to the check; the
+  per-check, per-implementation steers live there, the ones every check needs here);
 * upstream FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy,
   which would split a tie and can leave a unit with only empty parameters: batch norms are never
   tied, and FSDP1-style examples with mixed precision have no zero dims;
-* tied parameters split over two units are not a supported configuration of either API, and torch
-  DCP's full load rejects tied alias keys (``state_dict::shared_params[*-dcp-full``): a unit holds
-  both ends of a tie or neither, and checks that load full DCP state dicts draw no ties.
+* tied parameters split over two units are not a supported configuration of either API: a unit
+  holds both ends of a tie or neither. (Torch DCP's full load rejects the alias keys of
+  ``state_dict::shared_params``' model, a shared module plus a second attribute naming one
+  parameter: ``[*-dcp-full`` expectations; the ties drawn here, one leaf's weight reused by another
+  leaf, load on every built-in, so checks that load full DCP state dicts draw them too.)
 """
 
 from __future__ import annotations
@@ -45,9 +49,22 @@ TRAINING = "training"  # the check runs backward (see the zero-size limitation a
 ZERO_SIZE = "zero-size"  # parameters may have zero dims
 CPU_OFFLOAD = "cpu-offload"
 RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(rank0_only=True)
-ALL_FEATURES = frozenset({MIXED_PRECISION, TIES, PLACEMENTS, RESHARD, ORIG_PARAMS, TRAINING,
-                          ZERO_SIZE, CPU_OFFLOAD, RANK0_ONLY})
-UPSTREAM = frozenset({"torch-fsdp2", "torch-fsdp1"})  # the built-ins the *torch only* steers are for
+ALL_FEATURES = frozenset(
+    {
+        MIXED_PRECISION,
+        TIES,
+        PLACEMENTS,
+        RESHARD,
+        ORIG_PARAMS,
+        TRAINING,
+        ZERO_SIZE,
+        CPU_OFFLOAD,
+        RANK0_ONLY,
+    }
+)
+UPSTREAM = frozenset(
+    {"torch-fsdp2", "torch-fsdp1"}
+)  # the built-ins the *torch only* steers are for
 
 
 def dims(ws: int, zero: bool = False):
@@ -64,8 +81,12 @@ def leaf(draw, ws: int, zero: bool) -> dict:
     if kind == "embedding":
         return {"kind": kind, "num": draw(dims(ws))}
     if kind == "conv":
-        return {"kind": kind, "channels": draw(dims(ws)), "k": draw(st.sampled_from([1, 3])),
-                "bias": draw(st.booleans())}
+        return {
+            "kind": kind,
+            "channels": draw(dims(ws)),
+            "k": draw(st.sampled_from([1, 3])),
+            "bias": draw(st.booleans()),
+        }
     if kind == "param":
         shape = draw(st.lists(dims(ws, zero=zero), min_size=1, max_size=3))
         buffer = draw(st.sampled_from([None, "persistent", "non-persistent"]))
@@ -86,10 +107,19 @@ def tree(draw, ws: int, depth: int, zero: bool) -> dict:
 
 
 def _tie_candidates(model) -> list[tuple[str, str]]:
-    leaves = [(p, m) for p, m in model.named_modules() if p and isinstance(getattr(m, "weight", None), fm.nn.Parameter)]
-    return [(a, b) for i, (a, ma) in enumerate(leaves) for b, mb in leaves[i + 1:]
-            if type(ma) is type(mb) and ma.weight.shape == mb.weight.shape
-            and not isinstance(ma, fm.BatchNormLeaf)]
+    leaves = [
+        (p, m)
+        for p, m in model.named_modules()
+        if p and isinstance(getattr(m, "weight", None), fm.nn.Parameter)
+    ]
+    return [
+        (a, b)
+        for i, (a, ma) in enumerate(leaves)
+        for b, mb in leaves[i + 1 :]
+        if type(ma) is type(mb)
+        and ma.weight.shape == mb.weight.shape
+        and not isinstance(ma, fm.BatchNormLeaf)
+    ]
 
 
 def _splits_tie(unit: str, ties) -> bool:
@@ -111,8 +141,12 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
             mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
     upstream = impl.name in UPSTREAM
     zero = ZERO_SIZE in features and not (
-        upstream and TRAINING in features and base.PER_PARAM_DIM0 in caps
-        or mp and base.FLAT_PARAM in caps)  # see the module docstring
+        upstream
+        and TRAINING in features
+        and base.PER_PARAM_DIM0 in caps
+        or mp
+        and base.FLAT_PARAM in caps
+    )  # see the module docstring
     example = {
         "seed": draw(st.integers(0, 2**16)),
         "width": draw(dims(ws)),
@@ -159,12 +193,17 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
                 placements[name] = draw(st.sampled_from(even))
         if placements:
             example["placements"] = placements
-    if RESHARD in features and base.RESHARD_AFTER_FORWARD in caps and allows("reshard_after_forward"):
+    if (
+        RESHARD in features
+        and base.RESHARD_AFTER_FORWARD in caps
+        and allows("reshard_after_forward")
+    ):
         values = [True, False]
         if not (upstream and example.get("placements")):  # see the module docstring
             values += [d for d in range(2, ws) if ws % d == 0]
         example["unit_options"] = {
             u: {"reshard_after_forward": draw(st.sampled_from(values))}
-            for u in wrap + [""] if draw(st.booleans())
+            for u in wrap + [""]
+            if draw(st.booleans())
         }
     return example

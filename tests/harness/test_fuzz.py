@@ -46,13 +46,31 @@ def _run(args, cwd, timeout=600):
 
 def test_broken_fork_found_and_repro_fails_alone_but_passes_on_reference(tmp_path):
     reports = tmp_path / "reports"
-    run = _run([sys.executable, "-m", "conformance", "--impl", FORK, "--world-sizes", "2",
-                "--reports-dir", str(reports), "-q", "-p", "no:cacheprovider",
-                "conformance/checks/fuzz.py::train_parity"], cwd=ROOT)
+    run = _run(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "--impl",
+            FORK,
+            "--world-sizes",
+            "2",
+            "--reports-dir",
+            str(reports),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "conformance/checks/fuzz.py::train_parity",
+        ],
+        cwd=ROOT,
+    )
     assert run.returncode != 0, run.stdout[-3000:]
     assert "Standalone reproducer" in run.stdout
-    (record,) = [c for c in json.loads((reports / "conformance.json").read_text())["cases"]
-                 if c["id"] == "fuzz::train_parity[ws2]"]
+    (record,) = [
+        c
+        for c in json.loads((reports / "conformance.json").read_text())["cases"]
+        if c["id"] == "fuzz::train_parity[ws2]"
+    ]
     assert record["outcome"] == "fail"
     script = record["repro_script"]
     assert f"IMPL = {FORK!r}" in script and "WORLD_SIZE = 2" in script
@@ -85,3 +103,72 @@ def test_examples_are_plain_and_build_deterministically(ws, impl, data):
     assert plan[-1][0] == ""
     depths = [p.count(".") for p, _ in plan[:-1]]
     assert depths == sorted(depths, reverse=True)
+
+
+def _case_features(check_fn, case: str, impl_name: str) -> frozenset:
+    from conformance.fuzz import dropped
+
+    drops = dropped(check_fn.fuzz_drops, case, impl_name)
+    return check_fn.fuzz_features.difference(*(d.features for d in drops))
+
+
+def test_drops_are_per_implementation_and_case():
+    """A drop for an upstream limitation leaves the feature in every other implementation's
+    examples: the references are fuzzed on zero-numel parameters in SHARDED dicts and on ties in
+    FULL dicts; only torch-fsdp1's SHARDED case loses zero sizes, and rank0_only (a FULL-dict
+    option) is left out of every SHARDED case."""
+    from conformance.checks.fuzz import state_dict_round_trip
+
+    for impl in ("reference", "reference-fsdp1", "torch-fsdp2", "torch-fsdp1", "some-fork"):
+        assert fs.TIES in _case_features(state_dict_round_trip, "full", impl)
+        assert fs.RANK0_ONLY in _case_features(state_dict_round_trip, "full", impl)
+        assert fs.RANK0_ONLY not in _case_features(state_dict_round_trip, "sharded", impl)
+        sharded = _case_features(state_dict_round_trip, "sharded", impl)
+        assert (fs.ZERO_SIZE in sharded) == (impl != "torch-fsdp1"), (impl, sorted(sharded))
+
+
+def test_reference_examples_use_the_feature_upstream_drops():
+    """The features a case keeps reach the examples: the reference-fsdp1 SHARDED case draws
+    zero-numel parameters, torch-fsdp1's never does (400 derandomized examples each)."""
+    from hypothesis import HealthCheck
+
+    from conformance.checks.fuzz import state_dict_round_trip
+
+    for impl, expected in (("reference-fsdp1", True), ("torch-fsdp1", False)):
+        features = _case_features(state_dict_round_trip, "sharded", impl)
+        empty = []
+
+        @settings(
+            max_examples=400,
+            database=None,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(fs.examples(2, load_implementation(impl), features))
+        def draw(example):
+            if any(p.numel() == 0 for p in fm.build(example).parameters()):
+                empty.append(example)  # noqa: B023 - the list of this loop iteration
+
+        draw()
+        assert bool(empty) == expected, (impl, len(empty), sorted(features))
+
+
+def test_drop_needs_a_reason_and_a_known_case():
+    import pytest
+
+    from conformance.fuzz import Drop, fuzz_check
+    from conformance.registry import CHECKS, check
+
+    with pytest.raises(ValueError, match="reason"):
+        Drop(fs.TIES, " ")
+    before = list(CHECKS)
+    try:
+        with pytest.raises(ValueError, match=r"unknown case\(s\) \['fulll'\]"):
+
+            @fuzz_check(fs.ALL_FEATURES, drops=[Drop(fs.TIES, "a reason", cases="fulll")])
+            @check(area="fuzz", cases={"full": {}})
+            def misspelt(ctx, example):
+                """A fuzz check whose drop names a case it does not have."""
+    finally:
+        CHECKS[:] = before
