@@ -90,16 +90,22 @@ def assert_sharded(ctx, fqn, param, orig, where=""):
     from torch.distributed.tensor import DTensor, Shard
 
     tag = f"{ctx.where()} {fqn}{where}"
-    assert isinstance(param, nn.Parameter), f"{tag}: registered {type(param).__name__}, not a Parameter"
+    assert isinstance(param, nn.Parameter), (
+        f"{tag}: registered {type(param).__name__}, not a Parameter"
+    )
     assert isinstance(param, DTensor), f"{tag}: expected SHARDED (a DTensor), got a plain tensor"
-    assert tuple(param.placements) == (Shard(0),), f"{tag}: placements {param.placements} != (Shard(0),)"
+    assert tuple(param.placements) == (Shard(0),), (
+        f"{tag}: placements {param.placements} != (Shard(0),)"
+    )
     assert param.device_mesh.ndim == 1 and param.device_mesh.size() == ctx.world_size, (
-        f"{tag}: mesh {param.device_mesh}, expected the 1-D mesh of {ctx.world_size} ranks")
+        f"{tag}: mesh {param.device_mesh}, expected the 1-D mesh of {ctx.world_size} ranks"
+    )
     assert tuple(param.shape) == tuple(orig.shape), f"{tag}: global size {tuple(param.shape)}"
     start, end = chunk_range(orig.shape[0], ctx.world_size, ctx.rank)
     local = param.to_local().detach().cpu()
     assert torch.equal(local, orig[start:end]), (
-        f"{tag}: local shard {tuple(local.shape)} is not rows {start}:{end} of the original")
+        f"{tag}: local shard {tuple(local.shape)} is not rows {start}:{end} of the original"
+    )
 
 
 def assert_unsharded(ctx, fqn, param, orig, where=""):
@@ -107,13 +113,22 @@ def assert_unsharded(ctx, fqn, param, orig, where=""):
     from torch.distributed.tensor import DTensor
 
     tag = f"{ctx.where()} {fqn}{where}"
-    assert isinstance(param, nn.Parameter), f"{tag}: registered {type(param).__name__}, not a Parameter"
-    assert not isinstance(param, DTensor), f"{tag}: expected UNSHARDED (plain tensor), got a DTensor"
-    assert tuple(param.shape) == tuple(orig.shape), f"{tag}: size {tuple(param.shape)} != {tuple(orig.shape)}"
+    assert isinstance(param, nn.Parameter), (
+        f"{tag}: registered {type(param).__name__}, not a Parameter"
+    )
+    assert not isinstance(param, DTensor), (
+        f"{tag}: expected UNSHARDED (plain tensor), got a DTensor"
+    )
+    assert tuple(param.shape) == tuple(orig.shape), (
+        f"{tag}: size {tuple(param.shape)} != {tuple(orig.shape)}"
+    )
     assert param.untyped_storage().nbytes() >= orig.numel() * orig.element_size(), (
         f"{tag}: unsharded storage has {param.untyped_storage().nbytes()} bytes, expected at least "
-        f"{orig.numel() * orig.element_size()}")
-    assert torch.equal(param.detach().cpu(), orig), f"{tag}: unsharded values differ from the original"
+        f"{orig.numel() * orig.element_size()}"
+    )
+    assert torch.equal(param.detach().cpu(), orig), (
+        f"{tag}: unsharded values differ from the original"
+    )
 
 
 def assert_post_forward(ctx, fqn, param, orig, k):
@@ -123,21 +138,24 @@ def assert_post_forward(ctx, fqn, param, orig, k):
     tag = f"{ctx.where()} {fqn} after forward with reshard_after_forward={k}"
     assert isinstance(param, DTensor), f"{tag}: expected a DTensor, got {type(param).__name__}"
     assert tuple(param.placements) == (Replicate(), Shard(0)), (
-        f"{tag}: placements {param.placements} != (Replicate(), Shard(0))")
+        f"{tag}: placements {param.placements} != (Replicate(), Shard(0))"
+    )
     mesh = param.device_mesh.mesh.tolist()
     expected = torch.arange(ctx.world_size).view(-1, k).tolist()
     assert mesh == expected, f"{tag}: post-forward mesh {mesh}, expected {expected}"
     start, end = chunk_range(orig.shape[0], k, ctx.rank % k)
     local = param.to_local().detach().cpu()
     assert torch.equal(local, orig[start:end]), (
-        f"{tag}: local {tuple(local.shape)} is not rows {start}:{end} (chunk {ctx.rank % k} of {k})")
+        f"{tag}: local {tuple(local.shape)} is not rows {start}:{end} (chunk {ctx.rank % k} of {k})"
+    )
 
 
 def assert_freed(ctx, fqn, tensor, where):
     nbytes = tensor.untyped_storage().nbytes()
     assert nbytes == 0, (
         f"{ctx.where()} {fqn}: the unsharded parameter's storage has {nbytes} bytes {where}, "
-        f"expected 0 (freed)")
+        f"expected 0 (freed)"
+    )
 
 
 def last_seen(model, fqn):
@@ -166,25 +184,43 @@ RAF_CASES = {
     "int-ws": {"raf": lambda ws: ws, "expect": {"lin1": "S", "lin2": "S", "": "S"}, "min_ws": 2},
     "int-half": {"raf": lambda ws: ws // 2, "expect": {"lin1": "P", "lin2": "P", "": "P"}, "ws": 4},
     # the same with dims divisible by the world size (no padding inside the all-gather output)
-    "int-half-even": {"raf": lambda ws: ws // 2, "expect": {"lin1": "P", "lin2": "P", "": "P"},
-                      "ws": 4, "even": True},
+    "int-half-even": {
+        "raf": lambda ws: ws // 2,
+        "expect": {"lin1": "P", "lin2": "P", "": "P"},
+        "ws": 4,
+        "even": True,
+    },
 }
 
 
 def raf_check(names, requires):
     """Register a check once per applicable world-size class of its reshard_after_forward cases."""
+
     def register(fn):
-        plain = {n: {"name": n} for n in names if "ws" not in RAF_CASES[n] and "min_ws" not in RAF_CASES[n]}
+        plain = {
+            n: {"name": n}
+            for n in names
+            if "ws" not in RAF_CASES[n] and "min_ws" not in RAF_CASES[n]
+        }
         fn = check(area="states", requires=requires, cases=plain)(fn)
         for n in names:
             spec = RAF_CASES[n]
             if "ws" in spec:
-                fn = check(area="states", requires=requires, cases={n: {"name": n}},
-                           world_sizes=(spec["ws"],))(fn)
+                fn = check(
+                    area="states",
+                    requires=requires,
+                    cases={n: {"name": n}},
+                    world_sizes=(spec["ws"],),
+                )(fn)
             elif "min_ws" in spec:
-                fn = check(area="states", requires=requires, cases={n: {"name": n}},
-                           min_world_size=spec["min_ws"])(fn)
+                fn = check(
+                    area="states",
+                    requires=requires,
+                    cases={n: {"name": n}},
+                    min_world_size=spec["min_ws"],
+                )(fn)
         return fn
+
     return register
 
 
@@ -193,13 +229,18 @@ def _check_after_forward(ctx, model, originals, expect, raf):
         for fqn, name, module in own_params(model, unit):
             param, orig, state = getattr(module, name), originals[fqn], expect[unit]
             if state == "S":
-                assert_sharded(ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})")
+                assert_sharded(
+                    ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})"
+                )
                 assert_freed(ctx, fqn, last_seen(model, fqn), f"after forward (raf={raf})")
             elif state == "U":
-                assert_unsharded(ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})")
+                assert_unsharded(
+                    ctx, fqn, param, orig, f" after forward (reshard_after_forward={raf})"
+                )
                 assert param is last_seen(model, fqn), (
                     f"{ctx.where()} {fqn}: the registered parameter after forward is not the object "
-                    f"forward computed with")
+                    f"forward computed with"
+                )
             else:
                 assert_post_forward(ctx, fqn, param, orig, raf)
                 assert_freed(ctx, fqn, last_seen(model, fqn), f"after forward (raf={raf})")
@@ -212,7 +253,8 @@ _ALL = tuple(RAF_CASES)
 def registered_after_forward(ctx, name):
     """After forward each unit's registered parameters are in the state its reshard_after_forward
     implies (True/k==ws: SHARDED, root included; False/k==1: UNSHARDED, the very object forward used;
-    None: root UNSHARDED, others SHARDED; 1<k<ws: SHARDED_POST_FORWARD), and resharded storage is freed."""
+    None: root UNSHARDED, others SHARDED; 1<k<ws: SHARDED_POST_FORWARD), and resharded storage is
+    freed (P2, P4)."""
     model, originals, raf = build_case(ctx, name)
     with torch.no_grad():
         model(batch(ctx))
@@ -222,7 +264,8 @@ def registered_after_forward(ctx, name):
 @raf_check(_ALL, {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS})
 def registered_after_backward(ctx, name):
     """After backward every parameter is SHARDED (DTensor, Shard(0), original values) whatever
-    reshard_after_forward was, with the unsharded storage freed and a sharded gradient present."""
+    reshard_after_forward was, with the unsharded storage freed and a sharded gradient present
+    (P2, P4)."""
     from torch.distributed.tensor import DTensor
 
     model, originals, raf = build_case(ctx, name)
@@ -231,15 +274,20 @@ def registered_after_backward(ctx, name):
         assert_sharded(ctx, fqn, param, originals[fqn], f" after backward (raf={raf})")
         assert_freed(ctx, fqn, last_seen(model, fqn), f"after backward (raf={raf})")
         assert isinstance(param.grad, DTensor), (
-            f"{ctx.where()} {fqn}: grad after backward is {type(param.grad).__name__}, expected a DTensor")
+            f"{ctx.where()} {fqn}: grad after backward is {type(param.grad).__name__}, expected a DTensor"
+        )
         assert tuple(param.grad.placements) == tuple(param.placements), (
-            f"{ctx.where()} {fqn}: grad placements {param.grad.placements} != {param.placements}")
+            f"{ctx.where()} {fqn}: grad placements {param.grad.placements} != {param.placements}"
+        )
 
 
-@raf_check(("false", "none", "int-half", "int-half-even"), {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS})
+@raf_check(
+    ("false", "none", "int-half", "int-half-even"),
+    {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS},
+)
 def reshard_forces_sharded(ctx, name):
     """``reshard()`` on every unit after a forward that left parameters unsharded (or sharded
-    post-forward) registers SHARDED DTensors again and frees the unsharded storage."""
+    post-forward) registers SHARDED DTensors again and frees the unsharded storage (P2, P4)."""
     model, originals, raf = build_case(ctx, name)
     with torch.no_grad():
         model(batch(ctx))
@@ -250,8 +298,97 @@ def reshard_forces_sharded(ctx, name):
         assert_freed(ctx, fqn, last_seen(model, fqn), "after reshard()")
 
 
-@check(area="states", requires={base.FSDP2_API, base.DTENSOR_PARAMS},
-       cases={"sync": {"async_op": False}, "async": {"async_op": True}})
+# one SGD step of an unsharded copy and of the sharded model (same batch on every rank, so the
+# averaged gradient is the copy's): fp32 sums of a few products, rounding only
+STEP_LR, STEP_TOL = 0.1, dict(rtol=1e-5, atol=1e-6)
+
+
+@raf_check(
+    ("none", "false", "true"),
+    {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS, base.TRAINING},
+)
+def optimizer_after_no_grad_forward(ctx, name):
+    """A forward under ``torch.no_grad()`` before the optimizer exists (an evaluation or warm-up
+    pass) leaves every unit in the state its reshard_after_forward implies after forward (P2), and
+    an optimizer built then holds exactly what ``model.parameters()`` yields: the SHARDED DTensors of
+    units that reshard, and the plain UNSHARDED Parameters forward computed with for the others (the
+    root with None, every unit with False) -- tensors that stop being the module's parameters once
+    ``reshard()`` (or the next backward) registers the SHARDED ones again, while the SHARDED ones it
+    holds stay registered (the same objects). After ``reshard()`` on every unit, an optimizer built
+    then holds only SHARDED parameters and one SGD step with it gives the full parameters of an
+    unsharded copy after the same step (P2, P6)."""
+    model, originals, raf = build_case(ctx, name)
+    expect, where = (
+        RAF_CASES[name]["expect"],
+        f" after a no_grad forward (reshard_after_forward={raf})",
+    )
+    with torch.no_grad():
+        model(batch(ctx))
+    early = torch.optim.SGD(model.parameters(), lr=STEP_LR)  # built too early
+    held = dict(zip([fqn for fqn, _ in model.named_parameters()], early.param_groups[0]["params"]))
+    assert set(held) == set(originals), (
+        f"{ctx.where()} optimizer holds {sorted(held)}, expected {sorted(originals)}"
+    )
+    for unit in UNITS:
+        for fqn, attr, module in own_params(model, unit):
+            param = held[fqn]
+            assert param is getattr(module, attr), (
+                f"{ctx.where()} {fqn}: the optimizer holds another tensor than the one registered{where}"
+            )
+            if expect[unit] == "S":
+                assert_sharded(
+                    ctx, fqn, param, originals[fqn], f" held by an optimizer built{where}"
+                )
+            else:
+                assert_unsharded(
+                    ctx, fqn, param, originals[fqn], f" held by an optimizer built{where}"
+                )
+                assert param is last_seen(model, fqn), (
+                    f"{ctx.where()} {fqn}: the optimizer holds an unsharded tensor{where} that is not the "
+                    f"Parameter forward computed with"
+                )
+    for unit in UNITS:
+        model.get_submodule(unit).reshard()
+    now = dict(model.named_parameters())
+    for fqn, param in now.items():
+        assert_sharded(ctx, fqn, param, originals[fqn], f" after reshard(){where}")
+        unit = fqn.rpartition(".")[0]
+        if expect[unit] == "S":
+            assert held[fqn] is param, (
+                f"{ctx.where()} {fqn}: reshard() registered a new SHARDED Parameter; the one an optimizer "
+                f"built{where} holds must stay the module's parameter"
+            )
+        else:
+            assert held[fqn] is not param, (
+                f"{ctx.where()} {fqn}: after reshard() the module's parameter is still the one an "
+                f"optimizer built{where} holds, expected the SHARDED DTensor"
+            )
+
+    opt = torch.optim.SGD(model.parameters(), lr=STEP_LR)
+    ctx.seed(0)
+    oracle = Net(RAF_CASES[name].get("even", False)).to(ctx.device)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=STEP_LR)
+    for net, o in ((model, opt), (oracle, oopt)):
+        net(batch(ctx)).sum().backward()
+        o.step()
+    for fqn, want in oracle.named_parameters():
+        got = now[fqn].full_tensor().detach().cpu()
+        torch.testing.assert_close(
+            got,
+            want.detach().cpu(),
+            **STEP_TOL,
+            msg=lambda m, fqn=fqn: (
+                f"{ctx.where()} {fqn} after one SGD step with an optimizer built after reshard() "
+                f"(reshard_after_forward={raf}), against an unsharded copy: {m}"
+            ),
+        )
+
+
+@check(
+    area="states",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS},
+    cases={"sync": {"async_op": False}, "async": {"async_op": True}},
+)
 def unshard_api(ctx, async_op):
     """``unshard()`` (or ``unshard(async_op=True)`` then ``wait()``) before any forward registers
     plain Parameters with the original values on that unit only; ``reshard()`` frees them again,
@@ -262,16 +399,23 @@ def unshard_api(ctx, async_op):
         module = model.get_submodule(unit)
         handle = module.unshard(async_op=async_op)
         if async_op:
-            assert handle is not None, f"{ctx.where()} unshard(async_op=True) on {unit!r} returned None"
+            assert handle is not None, (
+                f"{ctx.where()} unshard(async_op=True) on {unit!r} returned None"
+            )
             handle.wait()
         for fqn, name, owner in own_params(model, unit):
             param = getattr(owner, name)
             assert_unsharded(ctx, fqn, param, originals[fqn], f" after {unit or 'root'}.unshard()")
             first[fqn] = param
-        for later in UNITS[i + 1:]:  # units not yet unsharded stay sharded
+        for later in UNITS[i + 1 :]:  # units not yet unsharded stay sharded
             for fqn, name, owner in own_params(model, later):
-                assert_sharded(ctx, fqn, getattr(owner, name), originals[fqn],
-                               " while only earlier units are unsharded")
+                assert_sharded(
+                    ctx,
+                    fqn,
+                    getattr(owner, name),
+                    originals[fqn],
+                    " while only earlier units are unsharded",
+                )
     for unit in UNITS:
         model.get_submodule(unit).reshard()
     for fqn, param in model.named_parameters():
@@ -284,14 +428,19 @@ def unshard_api(ctx, async_op):
         for fqn, name, owner in own_params(model, unit):
             assert getattr(owner, name) is first[fqn], (
                 f"{ctx.where()} {fqn}: the second unshard() registered a new Parameter object; "
-                f"expected the one created by the first (reused)")
-            assert_unsharded(ctx, fqn, getattr(owner, name), originals[fqn], " after a second unshard()")
+                f"expected the one created by the first (reused)"
+            )
+            assert_unsharded(
+                ctx, fqn, getattr(owner, name), originals[fqn], " after a second unshard()"
+            )
     for unit in UNITS:
         model.get_submodule(unit).reshard()
 
 
-@raf_check(("true", "false", "none", "int-half", "int-half-even"), {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS,
-                                 base.TRAINING})
+@raf_check(
+    ("true", "false", "none", "int-half", "int-half-even"),
+    {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS, base.TRAINING},
+)
 def unsharded_param_reused(ctx, name):
     """Across iterations (forward, backward, SGD step) each module computes with the same unsharded
     Parameter object, whose values are the updated parameters' full values."""
@@ -307,7 +456,8 @@ def unsharded_param_reused(ctx, name):
         assert len(seen) >= 3, f"{ctx.where()} {fqn}: forward ran {len(seen)} times, expected 3"
         assert all(s is seen[0] for s in seen), (
             f"{ctx.where()} {fqn}: forward computed with {len({id(s) for s in seen})} different "
-            f"unsharded Parameter objects over 3 iterations (raf={raf}); expected one, reused")
+            f"unsharded Parameter objects over 3 iterations (raf={raf}); expected one, reused"
+        )
     # the registered parameters after the last step are sharded; their full values are what the
     # next forward must see
     full = {fqn: p.full_tensor().detach().cpu() for fqn, p in model.named_parameters()}
@@ -319,7 +469,8 @@ def unsharded_param_reused(ctx, name):
             continue  # already resharded; values were checked while registered in other checks
         assert torch.equal(seen.detach().cpu(), full[fqn]), (
             f"{ctx.where()} {fqn}: the unsharded parameter after 3 steps differs from the updated "
-            f"sharded parameter's full_tensor()")
+            f"sharded parameter's full_tensor()"
+        )
     for unit in UNITS:
         model.get_submodule(unit).reshard()
 
@@ -330,7 +481,9 @@ def full_tensor_equals_original(ctx):
     model, originals = build(ctx)
     for fqn, param in model.named_parameters():
         full = param.full_tensor().detach().cpu()
-        assert torch.equal(full, originals[fqn]), f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+        assert torch.equal(full, originals[fqn]), (
+            f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+        )
 
 
 def assert_hsdp_sharded(ctx, fqn, param, orig, where):
@@ -339,15 +492,21 @@ def assert_hsdp_sharded(ctx, fqn, param, orig, where):
 
     tag = f"{ctx.where()} {fqn} {where}"
     assert isinstance(param, DTensor), f"{tag}: expected SHARDED (a DTensor), got a plain tensor"
-    assert tuple(param.placements) == (Replicate(), Shard(0)), f"{tag}: placements {param.placements}"
+    assert tuple(param.placements) == (Replicate(), Shard(0)), (
+        f"{tag}: placements {param.placements}"
+    )
     start, end = chunk_range(orig.shape[0], 2, ctx.rank % 2)
     assert torch.equal(param.to_local().detach().cpu(), orig[start:end]), (
-        f"{tag}: local shard is not rows {start}:{end} (chunk {ctx.rank % 2} of 2)")
+        f"{tag}: local shard is not rows {start}:{end} (chunk {ctx.rank % 2} of 2)"
+    )
 
 
-@check(area="states", requires={base.FSDP2_API, base.HSDP, base.RESHARD_AFTER_FORWARD,
-                                 base.DTENSOR_PARAMS},
-       cases={"true": {"raf": True}, "false": {"raf": False}}, world_sizes=(4,))
+@check(
+    area="states",
+    requires={base.FSDP2_API, base.HSDP, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS},
+    cases={"true": {"raf": True}, "false": {"raf": False}},
+    world_sizes=(4,),
+)
 def hsdp_states(ctx, raf):
     """On a (replicate=2, shard=2) mesh: SHARDED is (Replicate(), Shard(0)) with chunk rank % 2;
     after forward the parameters are SHARDED (raf=True, storage freed) or UNSHARDED (raf=False,
@@ -363,9 +522,12 @@ def hsdp_states(ctx, raf):
             assert_freed(ctx, fqn, last_seen(model, fqn), "after forward (raf=True)")
         else:
             assert_unsharded(ctx, fqn, param, originals[fqn], " after forward (raf=False)")
-            assert param is last_seen(model, fqn), f"{ctx.where()} {fqn}: not the object forward used"
+            assert param is last_seen(model, fqn), (
+                f"{ctx.where()} {fqn}: not the object forward used"
+            )
     out.sum().backward()
     for fqn, param in model.named_parameters():
         assert_hsdp_sharded(ctx, fqn, param, originals[fqn], "after backward")
         assert tuple(param.grad.placements) == tuple(param.placements), (
-            f"{ctx.where()} {fqn}: grad placements {param.grad.placements}")
+            f"{ctx.where()} {fqn}: grad placements {param.grad.placements}"
+        )

@@ -25,18 +25,30 @@ def _floor_chunk_dim_sizes(dim_size: int, world_size: int) -> list[int]:
     return sizes
 
 
-fault("ref-rows-floor", "reference", "P1", "layout", f"{REF}:chunk_dim_sizes",
-      "rows per rank are floor(dim0/ws) with the remainder on the last rank, not ceil(dim0/ws)",
-      fast=True)(replace_with(_floor_chunk_dim_sizes))
+fault(
+    "ref-rows-floor",
+    "reference",
+    "P1",
+    "layout",
+    f"{REF}:chunk_dim_sizes",
+    "rows per rank are floor(dim0/ws) with the remainder on the last rank, not ceil(dim0/ws)",
+    fast=True,
+)(replace_with(_floor_chunk_dim_sizes))
 
 
 def _floor_shard_offset(size, world_size, rank, dim=0):
     return rank * (size[dim] // world_size)
 
 
-fault("ref-offset-floor", "reference", "P1", "layout", f"{REF}:shard_offset",
-      "a rank's rows start at rank*floor(dim0/ws) instead of rank*ceil(dim0/ws)",
-      world_sizes=(3,))(replace_with(_floor_shard_offset))
+fault(
+    "ref-offset-floor",
+    "reference",
+    "P1",
+    "layout",
+    f"{REF}:shard_offset",
+    "a rank's rows start at rank*floor(dim0/ws) instead of rank*ceil(dim0/ws)",
+    world_sizes=(3,),
+)(replace_with(_floor_shard_offset))
 
 
 def _garbage_padded_copy(original):
@@ -48,21 +60,33 @@ def _garbage_padded_copy(original):
     return padded_copy
 
 
-fault("ref-padding-garbage", "reference", "P1", "layout", f"{REF}:_padded_copy",
-      "the padding rows of the padded shard buffer hold 7.0 instead of zeros",
-      world_sizes=(3,))(_garbage_padded_copy)
+fault(
+    "ref-padding-garbage",
+    "reference",
+    "P1",
+    "layout",
+    f"{REF}:_padded_copy",
+    "the padding rows of the padded shard buffer hold 7.0 instead of zeros",
+    world_sizes=(3,),
+)(_garbage_padded_copy)
 
 
 def _torch_garbage_padding(result, self, *args, **kwargs):
     with torch.no_grad():
         if self.fsdp_placement.dim == 0:
-            self._sharded_param_data[self.sharded_size.numel():].fill_(7.0)
+            self._sharded_param_data[self.sharded_size.numel() :].fill_(7.0)
     return result
 
 
-fault("t2-padding-garbage", "torch-fsdp2", "P1", "layout", f"{TORCH}:FSDPParam._init_sharded_param",
-      "upstream: the padding of the padded shard buffer holds 7.0 instead of zeros",
-      world_sizes=(3,))(wrap(after=_torch_garbage_padding))
+fault(
+    "t2-padding-garbage",
+    "torch-fsdp2",
+    "P1",
+    "layout",
+    f"{TORCH}:FSDPParam._init_sharded_param",
+    "upstream: the padding of the padded shard buffer holds 7.0 instead of zeros",
+    world_sizes=(3,),
+)(wrap(after=_torch_garbage_padding))
 
 
 # ------------------------------------------------------------------ states and resharding (P2, P4)
@@ -71,60 +95,123 @@ def _to_sharded_without_register(self):
     self.sharded_state = type(self.sharded_state).SHARDED
 
 
-fault("ref-reshard-keeps-unsharded", "reference", "P2", "states", f"{REF}:FSDPParam.to_sharded",
-      "resharding frees the unsharded parameter but leaves it registered on the module",
-      fast=True)(replace_with(_to_sharded_without_register))
-fault("t2-reshard-keeps-unsharded", "torch-fsdp2", "P2", "states", f"{TORCH}:FSDPParam.to_sharded",
-      "upstream: resharding leaves the unsharded parameter registered on the module",
-      )(replace_with(_to_sharded_without_register))
+fault(
+    "ref-reshard-keeps-unsharded",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPParam.to_sharded",
+    "resharding frees the unsharded parameter but leaves it registered on the module",
+    fast=True,
+)(replace_with(_to_sharded_without_register))
+fault(
+    "t2-reshard-keeps-unsharded",
+    "torch-fsdp2",
+    "P2",
+    "states",
+    f"{TORCH}:FSDPParam.to_sharded",
+    "upstream: resharding leaves the unsharded parameter registered on the module",
+)(replace_with(_to_sharded_without_register))
 
 
 def _root_reshards(self, *args, **kwargs):
     self._auto_reshard_after_forward = False  # the root is then treated like an explicit True
 
 
-fault("ref-root-reshards-by-default", "reference", "P2", "states", f"{REF}:FSDPState._lazy_init",
-      "reshard_after_forward=None reshards the root after forward too (root should keep params)",
-      )(wrap(before=_root_reshards))
+fault(
+    "ref-root-reshards-by-default",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPState._lazy_init",
+    "reshard_after_forward=None reshards the root after forward too (root should keep params)",
+)(wrap(before=_root_reshards))
+
+
+def _no_grad_forward_keeps_unsharded(original):
+    def post_forward(self, module, input, output):
+        if torch.is_grad_enabled():
+            return original(self, module, input, output)
+        self._training_state = type(
+            self._training_state
+        ).IDLE  # no backward follows: reshard skipped
+        return output
+
+    return post_forward
+
+
+fault(
+    "ref-no-grad-forward-keeps-unsharded",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPParamGroup.post_forward",
+    "a forward under no_grad skips the post-forward reshard (every unit stays UNSHARDED), so an "
+    "optimizer built after it holds plain tensors instead of the sharded parameters",
+)(_no_grad_forward_keeps_unsharded)
 
 
 def _post_forward_full_reshard(self):
     self.to_sharded()
 
 
-fault("ref-int-raf-full-reshard", "reference", "P2", "states",
-      f"{REF}:FSDPParam.to_sharded_post_forward",
-      "an int reshard_after_forward reshards onto the whole mesh (SHARDED, not the smaller group)",
-      world_sizes=(4,))(replace_with(_post_forward_full_reshard))
+fault(
+    "ref-int-raf-full-reshard",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPParam.to_sharded_post_forward",
+    "an int reshard_after_forward reshards onto the whole mesh (SHARDED, not the smaller group)",
+    world_sizes=(4,),
+)(replace_with(_post_forward_full_reshard))
 
-fault("ref-unsharded-not-freed", "reference", "P4", "states", f"{REF}:FSDPParam.free_unsharded_param",
-      "resharding keeps the all-gather output's storage allocated",
-      )(replace_with(lambda self: None))
-fault("t2-unsharded-not-freed", "torch-fsdp2", "P4", "states",
-      f"{TORCH}:FSDPParam.free_unsharded_param",
-      "upstream: resharding keeps the all-gather output's storage allocated",
-      )(replace_with(lambda self: None))
+fault(
+    "ref-unsharded-not-freed",
+    "reference",
+    "P4",
+    "states",
+    f"{REF}:FSDPParam.free_unsharded_param",
+    "resharding keeps the all-gather output's storage allocated",
+)(replace_with(lambda self: None))
+fault(
+    "t2-unsharded-not-freed",
+    "torch-fsdp2",
+    "P4",
+    "states",
+    f"{TORCH}:FSDPParam.free_unsharded_param",
+    "upstream: resharding keeps the all-gather output's storage allocated",
+)(replace_with(lambda self: None))
 
 
 def _forget_unsharded_param(self, *args, **kwargs):
-    if hasattr(self, "_unsharded_param") and not hasattr(self.sharded_param._local_tensor,
-                                                         "fsdp_post_all_gather"):
+    if hasattr(self, "_unsharded_param") and not hasattr(
+        self.sharded_param._local_tensor, "fsdp_post_all_gather"
+    ):
         del self._unsharded_param
 
 
-fault("ref-unsharded-param-recreated", "reference", "P4", "states",
-      f"{REF}:FSDPParam.init_unsharded_param",
-      "every unshard after the first builds a new unsharded Parameter instead of refilling it",
-      )(wrap(before=_forget_unsharded_param))
+fault(
+    "ref-unsharded-param-recreated",
+    "reference",
+    "P4",
+    "states",
+    f"{REF}:FSDPParam.init_unsharded_param",
+    "every unshard after the first builds a new unsharded Parameter instead of refilling it",
+)(wrap(before=_forget_unsharded_param))
 
 
 def _unshard_returns_none(result, *args, **kwargs):
     return None
 
 
-fault("ref-unshard-no-handle", "reference", "P18", "states", f"{REF}:FSDPModule.unshard",
-      "unshard(async_op=True) returns None instead of a handle to wait on",
-      )(wrap(after=_unshard_returns_none))
+fault(
+    "ref-unshard-no-handle",
+    "reference",
+    "P18",
+    "states",
+    f"{REF}:FSDPModule.unshard",
+    "unshard(async_op=True) returns None instead of a handle to wait on",
+)(wrap(after=_unshard_returns_none))
 
 
 # ------------------------------------------------------------------- all-gather copy-out (P7)
@@ -145,19 +232,29 @@ def _stacked_copy_out(original):
     return copy_out
 
 
-fault("ref-copy-out-no-interleave", "reference", "P7", "placement",
-      f"{REF}:foreach_all_gather_copy_out",
-      "copy-out of a Shard(d!=0) parameter leaves the rank chunks stacked on dim 0",
-      )(_stacked_copy_out)
+fault(
+    "ref-copy-out-no-interleave",
+    "reference",
+    "P7",
+    "placement",
+    f"{REF}:foreach_all_gather_copy_out",
+    "copy-out of a Shard(d!=0) parameter leaves the rank chunks stacked on dim 0",
+)(_stacked_copy_out)
 
 
 def _drop_second_extension_input(result, *args, **kwargs):
     return result[:1]
 
 
-fault("ref-extension-first-input-only", "reference", "P14", "extensions", f"{REF}:pre_all_gather",
-      "an extension's fsdp_pre_all_gather returning several inputs gathers only the first",
-      fast=True)(wrap(after=_drop_second_extension_input))
+fault(
+    "ref-extension-first-input-only",
+    "reference",
+    "P14",
+    "extensions",
+    f"{REF}:pre_all_gather",
+    "an extension's fsdp_pre_all_gather returning several inputs gathers only the first",
+    fast=True,
+)(wrap(after=_drop_second_extension_input))
 
 
 # -------------------------------------------------------- reduce-scatter and divide factors (P6)
@@ -168,13 +265,23 @@ def _sum_not_avg(result, *args, **kwargs):
     return result
 
 
-fault("ref-rs-sum-not-avg", "reference", "P6", "training", f"{REF}:_get_gradient_divide_factors",
-      "fp32 gradients are reduce-scattered with SUM instead of AVG (not divided by ws)",
-      fast=True)(wrap(after=_sum_not_avg))
-fault("t2-rs-sum-not-avg", "torch-fsdp2", "P6", "training",
-      f"{TORCH}:_get_gradient_divide_factors",
-      "upstream: fp32 gradients are reduce-scattered with SUM instead of AVG",
-      )(wrap(after=_sum_not_avg))
+fault(
+    "ref-rs-sum-not-avg",
+    "reference",
+    "P6",
+    "training",
+    f"{REF}:_get_gradient_divide_factors",
+    "fp32 gradients are reduce-scattered with SUM instead of AVG (not divided by ws)",
+    fast=True,
+)(wrap(after=_sum_not_avg))
+fault(
+    "t2-rs-sum-not-avg",
+    "torch-fsdp2",
+    "P6",
+    "training",
+    f"{TORCH}:_get_gradient_divide_factors",
+    "upstream: fp32 gradients are reduce-scattered with SUM instead of AVG",
+)(wrap(after=_sum_not_avg))
 
 
 def _no_predivide(result, *args, **kwargs):
@@ -185,14 +292,23 @@ def _no_predivide(result, *args, **kwargs):
     return result
 
 
-fault("ref-fp16-no-predivide", "reference", "P6", "training", f"{REF}:_get_gradient_divide_factors",
-      "fp16 gradients skip the pre-divide (only the post-divide N/pre is applied)",
-      )(wrap(after=_no_predivide))
+fault(
+    "ref-fp16-no-predivide",
+    "reference",
+    "P6",
+    "training",
+    f"{REF}:_get_gradient_divide_factors",
+    "fp16 gradients skip the pre-divide (only the post-divide N/pre is applied)",
+)(wrap(after=_no_predivide))
 
-fault("ref-divide-factor-ignored", "reference", "P6", "training",
-      f"{REF}:FSDPModule.set_gradient_divide_factor",
-      "set_gradient_divide_factor is accepted but the default divide factor stays in use",
-      )(replace_with(lambda self, factor: None))
+fault(
+    "ref-divide-factor-ignored",
+    "reference",
+    "P6",
+    "training",
+    f"{REF}:FSDPModule.set_gradient_divide_factor",
+    "set_gradient_divide_factor is accepted but the default divide factor stays in use",
+)(replace_with(lambda self, factor: None))
 
 
 def _arg_dropped(index: int, name: str):
@@ -212,9 +328,15 @@ def _arg_dropped(index: int, name: str):
     return make
 
 
-fault("ref-hsdp-no-all-reduce", "reference", "P16", "placement", f"{REF}:foreach_reduce",
-      "HSDP gradients are reduce-scattered over the shard group but never all-reduced over replicas",
-      world_sizes=(4,))(_arg_dropped(7, "all_reduce_group"))
+fault(
+    "ref-hsdp-no-all-reduce",
+    "reference",
+    "P16",
+    "placement",
+    f"{REF}:foreach_reduce",
+    "HSDP gradients are reduce-scattered over the shard group but never all-reduced over replicas",
+    world_sizes=(4,),
+)(_arg_dropped(7, "all_reduce_group"))
 
 
 # ----------------------------------------------------------------------- mixed precision (P5)
@@ -223,23 +345,41 @@ def _cast_non_float(result, self, mp_policy, *args, **kwargs):
         self.param_dtype = mp_policy.param_dtype
 
 
-fault("ref-mp-casts-int-params", "reference", "P5", "mixed_precision",
-      f"{REF}:FSDPParam.init_dtype_attrs",
-      "param_dtype is applied to a non-floating-point parameter too (it should stay as it is)",
-      fast=True)(wrap(after=_cast_non_float))
-fault("t2-mp-casts-int-params", "torch-fsdp2", "P5", "mixed_precision",
-      f"{TORCH}:FSDPParam.init_dtype_attrs",
-      "upstream: param_dtype is applied to a non-floating-point parameter too",
-      )(wrap(after=_cast_non_float))
+fault(
+    "ref-mp-casts-int-params",
+    "reference",
+    "P5",
+    "mixed_precision",
+    f"{REF}:FSDPParam.init_dtype_attrs",
+    "param_dtype is applied to a non-floating-point parameter too (it should stay as it is)",
+    fast=True,
+)(wrap(after=_cast_non_float))
+fault(
+    "t2-mp-casts-int-params",
+    "torch-fsdp2",
+    "P5",
+    "mixed_precision",
+    f"{TORCH}:FSDPParam.init_dtype_attrs",
+    "upstream: param_dtype is applied to a non-floating-point parameter too",
+)(wrap(after=_cast_non_float))
 
-fault("ref-mp-inputs-not-cast", "reference", "P5", "mixed_precision",
-      f"{REF}:FSDPState._cast_forward_inputs",
-      "forward inputs are not cast to param_dtype",
-      )(replace_with(lambda self, args, kwargs: (args, kwargs)))
+fault(
+    "ref-mp-inputs-not-cast",
+    "reference",
+    "P5",
+    "mixed_precision",
+    f"{REF}:FSDPState._cast_forward_inputs",
+    "forward inputs are not cast to param_dtype",
+)(replace_with(lambda self, args, kwargs: (args, kwargs)))
 
-fault("ref-mp-reduce-dtype-ignored", "reference", "P5", "mixed_precision", f"{REF}:foreach_reduce",
-      "the reduce-scatter runs in the gradient dtype, ignoring reduce_dtype",
-      )(_arg_dropped(4, "reduce_dtype"))
+fault(
+    "ref-mp-reduce-dtype-ignored",
+    "reference",
+    "P5",
+    "mixed_precision",
+    f"{REF}:foreach_reduce",
+    "the reduce-scatter runs in the gradient dtype, ignoring reduce_dtype",
+)(_arg_dropped(4, "reduce_dtype"))
 
 
 # ----------------------------------------------------------------------------- offload (P11)
@@ -255,40 +395,66 @@ def _stale_offloaded_input(prop):
     return property(all_gather_inputs)
 
 
-fault("ref-offload-stale-copy", "reference", "P11", "training", f"{REF}:FSDPParam.all_gather_inputs",
-      "with CPU offload, every all-gather sends the copy made at the first one (stale after a step)",
-      fast=True)(_stale_offloaded_input)
+fault(
+    "ref-offload-stale-copy",
+    "reference",
+    "P11",
+    "training",
+    f"{REF}:FSDPParam.all_gather_inputs",
+    "with CPU offload, every all-gather sends the copy made at the first one (stale after a step)",
+    fast=True,
+)(_stale_offloaded_input)
 
 
 # --------------------------------------------------------------------- state dict (P8, P9)
-fault("ref-assign-load-not-repadded", "reference", "P9", "fsdp2_state_dict",
-      f"{REF}:FSDPParam.reset_sharded_param",
-      "load_state_dict(assign=True) does not re-pad or re-track the newly assigned parameters",
-      fast=True)(replace_with(lambda self: None))
-fault("t2-assign-load-not-repadded", "torch-fsdp2", "P9", "fsdp2_state_dict",
-      f"{TORCH}:FSDPParam.reset_sharded_param",
-      "upstream: load_state_dict(assign=True) does not re-pad or re-track the new parameters",
-      )(replace_with(lambda self: None))
+fault(
+    "ref-assign-load-not-repadded",
+    "reference",
+    "P9",
+    "fsdp2_state_dict",
+    f"{REF}:FSDPParam.reset_sharded_param",
+    "load_state_dict(assign=True) does not re-pad or re-track the newly assigned parameters",
+    fast=True,
+)(replace_with(lambda self: None))
+fault(
+    "t2-assign-load-not-repadded",
+    "torch-fsdp2",
+    "P9",
+    "fsdp2_state_dict",
+    f"{TORCH}:FSDPParam.reset_sharded_param",
+    "upstream: load_state_dict(assign=True) does not re-pad or re-track the new parameters",
+)(replace_with(lambda self: None))
 
 
 def _no_state_dict_hooks(original):
     def lazy_init(self):
         module_cls = torch.nn.Module
-        saved = module_cls.register_state_dict_pre_hook, module_cls._register_load_state_dict_pre_hook
+        saved = (
+            module_cls.register_state_dict_pre_hook,
+            module_cls._register_load_state_dict_pre_hook,
+        )
         module_cls.register_state_dict_pre_hook = lambda *a, **k: None
         module_cls._register_load_state_dict_pre_hook = lambda *a, **k: None
         try:
             return original(self)
         finally:
-            module_cls.register_state_dict_pre_hook, module_cls._register_load_state_dict_pre_hook = saved
+            (
+                module_cls.register_state_dict_pre_hook,
+                module_cls._register_load_state_dict_pre_hook,
+            ) = saved
 
     return lazy_init
 
 
-fault("ref-state-dict-not-resharded", "reference", "P8", "fsdp2_state_dict",
-      f"{REF}:FSDPParamGroup.lazy_init",
-      "state_dict()/load_state_dict() do not reshard first (after a raf=False forward they see "
-      "the unsharded tensors)")(_no_state_dict_hooks)
+fault(
+    "ref-state-dict-not-resharded",
+    "reference",
+    "P8",
+    "fsdp2_state_dict",
+    f"{REF}:FSDPParamGroup.lazy_init",
+    "state_dict()/load_state_dict() do not reshard first (after a raf=False forward they see "
+    "the unsharded tensors)",
+)(_no_state_dict_hooks)
 
 
 # ----------------------------------------------------------- init errors and placements (P12, P13)
@@ -305,9 +471,15 @@ def _accept_uneven(original):
     return resolve
 
 
-fault("ref-uneven-dim-accepted", "reference", "P13", "placement", f"{REF}:_resolve_shard_placement",
-      "Shard(d!=0) on a dim the world size does not divide is accepted instead of rejected",
-      fast=True)(_accept_uneven)
+fault(
+    "ref-uneven-dim-accepted",
+    "reference",
+    "P13",
+    "placement",
+    f"{REF}:_resolve_shard_placement",
+    "Shard(d!=0) on a dim the world size does not divide is accepted instead of rejected",
+    fast=True,
+)(_accept_uneven)
 
 
 def _managed_states_without_checks(modules, ignored_params):
@@ -324,9 +496,14 @@ def _managed_states_without_checks(modules, ignored_params):
     return unique, buffers
 
 
-fault("ref-scalar-param-accepted", "reference", "P12", "bad_input", f"{REF}:_get_managed_states",
-      "a scalar (0-d) parameter is sharded instead of rejected with a ValueError",
-      )(replace_with(_managed_states_without_checks))
+fault(
+    "ref-scalar-param-accepted",
+    "reference",
+    "P12",
+    "bad_input",
+    f"{REF}:_get_managed_states",
+    "a scalar (0-d) parameter is sharded instead of rejected with a ValueError",
+)(replace_with(_managed_states_without_checks))
 
 
 def _shared_twice(original):
@@ -340,10 +517,14 @@ def _shared_twice(original):
     return get_managed_states
 
 
-fault("ref-shared-param-twice", "reference", "P17", "state_dict", f"{REF}:_get_managed_states",
-      "a parameter shared by two modules is managed twice (once per owner) instead of once",
-      )(_shared_twice)
-
+fault(
+    "ref-shared-param-twice",
+    "reference",
+    "P17",
+    "state_dict",
+    f"{REF}:_get_managed_states",
+    "a parameter shared by two modules is managed twice (once per owner) instead of once",
+)(_shared_twice)
 
 
 # ------------------------------------------------------------------ tensor parallel (P15, P3)
@@ -361,10 +542,16 @@ def _plain_dp_shard(original):
     return init_sharding_spec
 
 
-fault("ref-tp-plain-dp-shard", "reference", "P15", "tensor_parallel",
-      f"{REF}:FSDPParam._init_sharding_spec",
-      "a TP parameter whose TP shard is on dim 0 gets a plain Shard(0) dp placement instead of "
-      "_StridedShard, so its global rows are mislabelled", world_sizes=(4,))(_plain_dp_shard)
+fault(
+    "ref-tp-plain-dp-shard",
+    "reference",
+    "P15",
+    "tensor_parallel",
+    f"{REF}:FSDPParam._init_sharding_spec",
+    "a TP parameter whose TP shard is on dim 0 gets a plain Shard(0) dp placement instead of "
+    "_StridedShard, so its global rows are mislabelled",
+    world_sizes=(4,),
+)(_plain_dp_shard)
 
 
 def _tp_reshard_to_smaller_mesh(original):
@@ -378,10 +565,16 @@ def _tp_reshard_to_smaller_mesh(original):
     return to_sharded_post_forward
 
 
-fault("ref-tp-smaller-mesh-reshard", "reference", "P3", "tensor_parallel",
-      f"{REF}:FSDPParam.to_sharded_post_forward",
-      "an int reshard_after_forward reshards a TP parameter onto a smaller mesh instead of raising "
-      "NotImplementedError", world_sizes=(4,))(_tp_reshard_to_smaller_mesh)
+fault(
+    "ref-tp-smaller-mesh-reshard",
+    "reference",
+    "P3",
+    "tensor_parallel",
+    f"{REF}:FSDPParam.to_sharded_post_forward",
+    "an int reshard_after_forward reshards a TP parameter onto a smaller mesh instead of raising "
+    "NotImplementedError",
+    world_sizes=(4,),
+)(_tp_reshard_to_smaller_mesh)
 
 
 # ------------------------------------------------------------ parameter subclasses (P14)
@@ -396,6 +589,13 @@ def _pad_with_new_empty(original):
     return padded_copy
 
 
-fault("ref-subclass-new-empty", "reference", "P14", "param_subclass", f"{REF}:_padded_copy",
-      "padding asks a parameter subclass for aten.new_empty + zero_, ops upstream FSDP2 never "
-      "uses on it", world_sizes=(2,))(_pad_with_new_empty)
+fault(
+    "ref-subclass-new-empty",
+    "reference",
+    "P14",
+    "param_subclass",
+    f"{REF}:_padded_copy",
+    "padding asks a parameter subclass for aten.new_empty + zero_, ops upstream FSDP2 never "
+    "uses on it",
+    world_sizes=(2,),
+)(_pad_with_new_empty)
