@@ -8,8 +8,10 @@ left out, a wrap unit that the layout cannot take is dropped).
 Known upstream limitations the examples steer around (each also covered, as an expected failure,
 by a hand-written check); the ones marked *torch only* are steered around only for the torch
 implementations (``UPSTREAM``), so the fuzz exercises them on the reference and on other forks:
-* FSDP1 cannot wrap a unit whose parameters all have numel 0 (``layout::flat_param_*[*-zero-``);
-  flat-parameter units therefore manage no parameters or some elements;
+* *torch only*: torch 2.13's FSDP1 cannot wrap a unit whose parameters all have numel 0
+  (``layout::flat_param_*[*-zero-`` in expectations/torch-fsdp1.txt): torch-fsdp1's flat-parameter
+  units manage no parameters or some elements (reference-fsdp1 shards such units: measured with
+  examples holding them, every fuzz check passes at ws 2-3);
 * *torch only*: torch 2.13's FSDP2 cannot run backward through a unit that holds a parameter with
   numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor`` in the
   reduce-scatter copy-in; found by this fuzzer; ``training::train_parity_zero_numel_param``):
@@ -22,9 +24,10 @@ implementations (``UPSTREAM``), so the fuzz exercises them on the reference and 
   a module holding a zero-numel parameter (found by this fuzzer): torch-fsdp1's ``sharded``
   state-dict case draws no zero dims (a :class:`conformance.fuzz.Drop` next to the check; the
   per-check, per-implementation steers live there, the ones every check needs here);
-* upstream FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy,
-  which would split a tie and can leave a unit with only empty parameters: batch norms are never
-  tied, and FSDP1-style examples with mixed precision have no zero dims;
+* FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy (W11), which
+  would split a tie and can leave a unit with only empty parameters: batch norms are never tied,
+  and (*torch only*, the empty-unit limitation above) torch-fsdp1's examples with mixed precision
+  have no zero dims;
 * tied parameters split over two units are not a supported configuration of either API: a unit
   holds both ends of a tie or neither. (Torch DCP's full load rejects the alias keys of
   ``state_dict::shared_params``' model, a shared module plus a second attribute naming one
@@ -144,7 +147,8 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         upstream
         and TRAINING in features
         and base.PER_PARAM_DIM0 in caps
-        or mp
+        or upstream
+        and mp
         and base.FLAT_PARAM in caps
     )  # see the module docstring
     example = {
@@ -166,7 +170,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     if base.AUTO_WRAP in caps:
         paths = [p for p in fm.module_paths(model) if not _splits_tie(p, example.get("ties", ()))]
         wrap = sorted(draw(st.sets(st.sampled_from(paths), max_size=4)) if paths else set())
-        if base.FLAT_PARAM in caps:  # see the module docstring
+        if upstream and base.FLAT_PARAM in caps:  # see the module docstring
             shapes = dict((n, p.shape) for n, p in model.named_parameters())
             empty = lambda fqns: fqns and not any(fm.numel(shapes[f]) for f in fqns)  # noqa: E731
             while True:  # a dropped unit's parameters go to its parent, which may become empty

@@ -172,3 +172,31 @@ def test_drop_needs_a_reason_and_a_known_case():
                 """A fuzz check whose drop names a case it does not have."""
     finally:
         CHECKS[:] = before
+
+
+def test_only_torch_fsdp1_steers_around_units_of_empty_parameters():
+    """torch 2.13's FSDP1 cannot wrap a unit whose parameters are all empty, so torch-fsdp1's
+    examples never hold one; reference-fsdp1 shards such units, so its examples do (400
+    derandomized examples each, every feature)."""
+    from hypothesis import HealthCheck
+
+    for impl, expected in (("reference-fsdp1", True), ("torch-fsdp1", False)):
+        found = []
+
+        @settings(
+            max_examples=400,
+            database=None,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(fs.examples(2, load_implementation(impl), fs.ALL_FEATURES))
+        def draw(example):
+            model = fm.build(example)
+            shapes = {n: p.shape for n, p in model.named_parameters()}
+            owned = fm.managed(model, example["wrap"] + [""])
+            if any(fqns and not any(fm.numel(shapes[f]) for f in fqns) for fqns in owned.values()):
+                found.append(example)  # noqa: B023 - the list of this loop iteration
+
+        draw()
+        assert bool(found) == expected, (impl, len(found))
