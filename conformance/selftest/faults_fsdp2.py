@@ -141,7 +141,7 @@ def _no_grad_forward_keeps_unsharded(original):
 
 
 fault(
-    "ref-no-grad-forward-keeps-unsharded",
+    "ref-no-grad-fwd-keeps-unsharded",
     "reference",
     "P2",
     "states",
