@@ -1,7 +1,8 @@
 """The standalone reproducer printed for a failing fuzz example.
 
-The script spawns the world size's ranks itself (``torch.multiprocessing`` + a TCP rendezvous on a
-free loopback port), builds the implementation in every rank as the run did, and calls the fuzz check
+The script spawns the world size's ranks itself (``torch.multiprocessing`` + a file rendezvous on a
+fresh temporary file: no free port is picked and released, so no other process can take it between
+the pick and the ranks' connect), builds the implementation in every rank as the run did, and calls the fuzz check
 on the shrunk example; a rank's assertion ends the script with exit code 1 and that rank's
 traceback, exactly as in the run. It needs this project importable (run it from the checkout, or
 with the project installed) and the implementation's adapter importable, as the run did.
@@ -24,8 +25,9 @@ Wrap plan (deepest first, root last): {plan}
 Run: python this_file.py  (exit code 1 and the failing rank's traceback when it reproduces).
 """
 
-import socket
+import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,7 @@ CASE = {case!r}
 EXAMPLE = {example}
 
 
-def rank_main(rank, port):
+def rank_main(rank, rendezvous):
     from conformance.adapters.registry import load_implementation
     from conformance.context import CheckContext
     from conformance.runner.protocol import resolve
@@ -51,7 +53,7 @@ def rank_main(rank, port):
         module = torch.get_device_module(device.type)
         module.set_device(rank % module.device_count())
         device = torch.device(device.type, module.current_device())
-    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{{port}}", rank=rank,
+    dist.init_process_group(BACKEND, init_method=f"file://{{rendezvous}}", rank=rank,
                             world_size=WORLD_SIZE)
     try:
         ctx = CheckContext(rank=rank, world_size=WORLD_SIZE, device=device, backend=BACKEND,
@@ -63,10 +65,11 @@ def rank_main(rank, port):
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port,), nprocs=WORLD_SIZE)  # raises if any rank raised
+    # a file rendezvous in a fresh directory (the file must not exist before the ranks start);
+    # the directory and everything in it go when the script ends
+    with tempfile.TemporaryDirectory(prefix="fuzz-repro-") as tmp:
+        rendezvous = os.path.join(tmp, "rendezvous")
+        mp.spawn(rank_main, args=(rendezvous,), nprocs=WORLD_SIZE)  # raises if any rank raised
     print("passed: the example does not reproduce here")
 '''
 
