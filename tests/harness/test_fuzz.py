@@ -200,3 +200,35 @@ def test_only_torch_fsdp1_steers_around_units_of_empty_parameters():
 
         draw()
         assert bool(found) == expected, (impl, len(found))
+
+
+def _derandomized(impl, features, n, ws=2):
+    """The first ``n`` derandomized examples for ``impl`` (as a fuzz case draws them)."""
+    from hypothesis import HealthCheck
+
+    drawn = []
+
+    @settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(fs.examples(ws, load_implementation(impl), features))
+    def draw(example):
+        drawn.append(example)
+
+    draw()
+    return drawn
+
+
+def test_zero_size_parameters_in_a_good_share_of_examples():
+    """Where a check may draw zero-size parameters, at least 30% of the examples hold one (a 0 from
+    ``dims`` alone reached 2-8%), but not nearly all; a check without the feature never gets one."""
+    for impl in ("reference", "reference-fsdp1"):
+        drawn = _derandomized(impl, fs.ALL_FEATURES, 100)
+        empty = [e for e in drawn if any(p.numel() == 0 for p in fm.build(e).parameters())]
+        assert 0.3 <= len(empty) / len(drawn) <= 0.8, (impl, len(empty), len(drawn))
+        without = _derandomized(impl, fs.ALL_FEATURES - {fs.ZERO_SIZE}, 50)
+        assert not any(any(p.numel() == 0 for p in fm.build(e).parameters()) for e in without)
