@@ -111,12 +111,16 @@ def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     return full_params(ctx, model, impl)
 
 
-def saved_values(ctx, example: dict, model, oracle) -> dict[str, torch.Tensor]:
+def saved_values(
+    ctx, example: dict, model, oracle, restore_dtype: bool = True
+) -> dict[str, torch.Tensor]:
     """What a state dict of the trained sharded ``model`` must hold, key by key (tied aliases
     included): its parameters (gathered, independent of the state-dict code) and the oracle's
     persistent buffers, in their own dtype; with FSDP1 buffer mixed precision, the module's
     buffers were cast to ``buffer_dtype``, so the saved fp32 value is the rounded one (S12), except
-    in batch norms that a wrap policy made fp32 units of their own (W11)."""
+    in batch norms that a wrap policy made fp32 units of their own (W11); without
+    ``restore_dtype`` (a LOCAL dict, whose hook leaves buffers alone) such a buffer is saved as the
+    module holds it, in ``buffer_dtype``."""
     params = gathered(ctx, model)
     mp = example.get("options", {}).get("mixed_precision") or {}
     low = getattr(torch, mp["buffer_dtype"]) if mp.get("buffer_dtype") else None
@@ -132,7 +136,9 @@ def saved_values(ctx, example: dict, model, oracle) -> dict[str, torch.Tensor]:
         if name in out:
             continue
         cast = low and value.is_floating_point() and name.rpartition(".")[0] not in fp32_units
-        out[name] = value.to(low).to(value.dtype) if cast else value
+        if cast:
+            value = value.to(low).to(value.dtype) if restore_dtype else value.to(low)
+        out[name] = value
     return out
 
 
@@ -251,6 +257,10 @@ def _kind(impl, kind: str) -> str:
             return "full"
         if base.DTENSOR_STATE_DICT in caps:
             return "dcp-full"
+    elif kind == "local":
+        if base.LOCAL_STATE_DICT in caps:
+            return "local"
+        raise NotSupported(f"local state dict ({base.LOCAL_STATE_DICT})")
     elif base.SHARDED_STATE_DICT in caps:
         return "sharded"
     elif base.DTENSOR_STATE_DICT in caps:
@@ -261,6 +271,68 @@ def _kind(impl, kind: str) -> str:
     )
 
 
+def local_expected(ctx, example: dict, oracle, values: dict) -> dict:
+    """What a LOCAL dict must hold for ``example`` at ws >= 2 (S7): per unit that manages parameters
+    ``<unit>._flat_param`` (``_flat_param`` for the root) -> (unpadded flat numel N, this rank's
+    elements ``[r*ceil(N/ws), min((r+1)*ceil(N/ws), N))``), the flat parameter being the unit's
+    managed parameters (``values``, under their first names) flattened and concatenated in
+    registration order."""
+    units = set(example["wrap"]) | {""}
+    if example["wrap"] and example.get("options", {}).get("mixed_precision"):  # W11
+        units |= {n for n, m in oracle.named_modules() if isinstance(m, fm.BatchNormLeaf)}
+    out = {}
+    for unit, fqns in fm.managed(oracle, sorted(units)).items():
+        if not fqns:
+            continue  # a unit without parameters has no flat parameter
+        flat = torch.cat([values[f].reshape(-1) for f in fqns])
+        start, end, _ = flat_range(flat.numel(), ctx.world_size, ctx.rank)
+        out[f"{unit}._flat_param" if unit else "_flat_param"] = (flat.numel(), flat[start:end])
+    return out
+
+
+def assert_local_dict(ctx, sd: dict, expected: dict, flats: dict) -> None:
+    """``sd`` (a LOCAL dict) has one ``_flat_param`` key per unit that manages parameters, each a
+    1-D ShardedTensor of the unpadded numel with this rank's elements at offset ``r*ceil(N/ws)`` (none
+    on a pure-padding rank), and the persistent buffers of ``expected`` (its non-parameter keys)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    buffers = {k: v for k, v in expected.items() if k not in flats["params"]}
+    want = set(flats["local"]) | set(buffers)
+    assert set(sd) == want, (
+        f"{ctx.where()} local state-dict keys: missing {sorted(want - set(sd))}, "
+        f"unexpected {sorted(set(sd) - want)}"
+    )
+    for name, value in buffers.items():
+        assert_entry(ctx, name, sd[name], value, full=True)
+    for key, (numel, local) in flats["local"].items():
+        got = sd[key]
+        assert isinstance(got, ShardedTensor), (
+            f"{ctx.where()} {key}: {type(got).__name__}, expected a ShardedTensor"
+        )
+        size = tuple(got.metadata().size)
+        assert size == (numel,), (
+            f"{ctx.where()} {key}: global size {size}, expected ({numel},), the unpadded numel"
+        )
+        shards = got.local_shards()
+        if not local.numel():
+            assert not shards or not shards[0].tensor.numel(), (
+                f"{ctx.where()} {key}: a pure-padding rank holds {len(shards)} local shard(s)"
+            )
+            continue
+        assert len(shards) == 1, f"{ctx.where()} {key}: {len(shards)} local shards, expected 1"
+        offset = list(shards[0].metadata.shard_offsets)
+        chunk = chunk_size(numel, ctx.world_size)
+        assert offset == [chunk * ctx.rank], (
+            f"{ctx.where()} {key}: local shard at offset {offset}, expected [{chunk * ctx.rank}]"
+        )
+        mine = shards[0].tensor.detach().cpu()
+        assert mine.shape == local.shape and torch.equal(mine, local), (
+            f"{ctx.where()} {key}: local shard {mine[:4].tolist()} (numel {mine.numel()}), expected "
+            f"flat elements {chunk * ctx.rank}:{chunk * ctx.rank + local.numel()} of {numel} "
+            f"{local[:4].tolist()}"
+        )
+
+
 # Features left out of state_dict_round_trip's examples, for whom, and why (see the Note in
 # conformance.fuzz); measured with 30 random examples per case at ws 1-3 plus examples that use the
 # feature: ties in FULL dicts and zero-numel parameters in the references' SHARDED dicts pass on
@@ -268,8 +340,14 @@ def _kind(impl, kind: str) -> str:
 SD_ROUND_TRIP_DROPS = [
     Drop(
         fs.RANK0_ONLY,
-        "rank0_only configures FULL state dicts only (a SHARDED dict has none)",
-        cases="sharded",
+        "rank0_only configures FULL state dicts only (a SHARDED or LOCAL dict has none)",
+        cases={"sharded", "local"},
+    ),
+    Drop(
+        fs.ORIG_PARAMS,
+        "LOCAL_STATE_DICT with use_orig_params=True is undefined upstream (S17: torch 2.13 returns a "
+        "mixed dict of original and flat keys; the reference refuses it with a RuntimeError)",
+        cases="local",
     ),
     Drop(
         fs.ZERO_SIZE,
@@ -286,17 +364,30 @@ SD_ROUND_TRIP_DROPS = [
 @check(
     area="fuzz",
     requires={base.TRAINING},
-    cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}},
+    cases={"full": {"kind": "full"}, "sharded": {"kind": "sharded"}, "local": {"kind": "local"}},
 )
 def state_dict_round_trip(ctx, example, kind):
     """After a training step, a random model's FULL (SHARDED) state dict holds its parameters (this
     rank's dim-0 chunk) under clean keys and its persistent buffers in their own dtype, never the
-    non-persistent ones (with ``rank0_only``: on rank 0, the others get ``{}``), and loads into a
-    freshly built model with other values, restoring them (S2, S3, S5, S12, P8)."""
+    non-persistent ones (with ``rank0_only``: on rank 0, the others get ``{}``); a LOCAL dict (FSDP1)
+    holds per unit this rank's chunk of the flat parameter, its managed parameters flattened in
+    registration order; each loads into a freshly built model with other values, restoring them
+    (S2, S3, S5, S7, S8, S12, P8)."""
     impl_kind = _kind(ctx.impl, kind)
     model, oracle = shard(ctx, example)
     train(ctx, model, oracle, example, 1)
     expected = saved_values(ctx, example, model, oracle)
+    if kind == "local" and ctx.world_size > 1:  # at ws 1 FSDP1 keeps every kind FULL (S8)
+        params = dict(oracle.named_parameters())  # first names only: a flat parameter's members
+        flats = {"params": dict(oracle.named_parameters(remove_duplicate=False))}
+        flats["local"] = local_expected(ctx, example, oracle, {f: expected[f] for f in params})
+        sd = ctx.impl.state_dict(model, impl_kind)
+        held = saved_values(ctx, example, model, oracle, restore_dtype=False)
+        assert_local_dict(ctx, sd, held, flats)
+        fresh, _ = shard(ctx, example, salt=1)
+        ctx.impl.load_state_dict(fresh, sd, impl_kind)
+        assert_restored(ctx, fresh, expected, "after loading the local state dict")
+        return
     config = {"rank0_only": True} if example.get("rank0_only") and kind == "full" else {}
     sd = ctx.impl.state_dict(model, impl_kind, **config)
     if config:

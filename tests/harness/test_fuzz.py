@@ -232,3 +232,46 @@ def test_zero_size_parameters_in_a_good_share_of_examples():
         assert 0.3 <= len(empty) / len(drawn) <= 0.8, (impl, len(empty), len(drawn))
         without = _derandomized(impl, fs.ALL_FEATURES - {fs.ZERO_SIZE}, 50)
         assert not any(any(p.numel() == 0 for p in fm.build(e).parameters()) for e in without)
+
+
+def test_local_case_expects_each_units_flat_chunk():
+    """state_dict_round_trip[local]: per unit with parameters, ``<unit>._flat_param`` holds the
+    unpadded numel and this rank's chunk of the unit's parameters flattened in registration order
+    (a unit without parameters has none); use_orig_params and rank0_only are left out of it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from conformance.checks.fuzz import local_expected, state_dict_round_trip
+
+    example = {
+        "seed": 0,
+        "width": 3,
+        "tree": {
+            "kind": "seq",
+            "children": [
+                {"kind": "linear", "out": 2, "bias": True},  # 0: weight (2, 3), bias (2,)
+                {"kind": "layernorm"},  # 1: weight (2,), bias (2,) -> its own unit
+                {"kind": "seq", "children": [{"kind": "batchnorm"}]},  # 2.0 (the root's)
+            ],
+        },
+        "steps": 2,
+        "wrap": ["1"],
+    }
+    oracle = fm.build(example)
+    values = {n: p.detach().clone() for n, p in oracle.named_parameters()}
+    root = torch.cat(
+        [values[n].reshape(-1) for n in ("0.weight", "0.bias", "2.0.weight", "2.0.bias")]
+    )
+    unit = torch.cat([values["1.weight"], values["1.bias"]])
+    assert root.numel() == 12 and unit.numel() == 4
+    # (ws, rank) -> the flat elements the rank holds: chunks of ceil(12/ws) and ceil(4/ws)
+    for ws, rank, root_part, unit_part in ((3, 0, root[:4], unit[:2]), (2, 1, root[6:], unit[2:])):
+        got = local_expected(SimpleNamespace(world_size=ws, rank=rank), example, oracle, values)
+        assert set(got) == {"_flat_param", "1._flat_param"}
+        assert got["_flat_param"][0] == 12 and torch.equal(got["_flat_param"][1], root_part)
+        assert got["1._flat_param"][0] == 4 and torch.equal(got["1._flat_param"][1], unit_part)
+    for impl in ("reference-fsdp1", "torch-fsdp1", "some-fork"):
+        local = _case_features(state_dict_round_trip, "local", impl)
+        assert fs.ORIG_PARAMS not in local and fs.RANK0_ONLY not in local, (impl, sorted(local))
+        assert fs.ZERO_SIZE in local and fs.TIES in local and fs.MIXED_PRECISION in local
