@@ -44,6 +44,7 @@ NO_TRAINING = fs.ALL_FEATURES - {
     fs.TRAINING,
     fs.CPU_OFFLOAD,
     fs.RANK0_ONLY,
+    fs.ASSIGN,
 }  # layout's
 
 
@@ -148,6 +149,48 @@ def assert_restored(ctx, model, expected: dict, what: str, impl=None) -> None:
     assert_loaded(ctx, model, expected, what, impl, params=gathered(ctx, model, impl))
 
 
+def assert_per_param_layout(
+    ctx, model, originals: dict, example: dict, what: str = "", views_padded: bool = False
+) -> None:
+    """Every parameter of the per-parameter-sharded ``model`` holds its dim-0 (or placed dim's)
+    chunk of ``originals`` (rows of ceil(d/ws)); a padded storage is ceil(d0/ws) rows with a zero
+    tail (P1, P7) and, with ``views_padded``, the local shard is a view of it (P9)."""
+    what = f" {what}" if what else ""
+    views = {clean_fqn(k): v for k, v in ctx.impl.local_shards(model).items()}
+    assert set(views) == set(originals), (
+        f"{ctx.where()}{what} parameters {sorted(views)} != {sorted(originals)}"
+    )
+    for fqn, orig in originals.items():
+        dim = example.get("placements", {}).get(fqn, 0)
+        expected = local_chunk(orig, dim, ctx.world_size, ctx.rank)
+        local = views[fqn].local.detach().cpu()
+        if orig.numel() == 0:  # no values to place (zero-trailing shapes: layout.py's cases)
+            assert local.numel() == 0, (
+                f"{ctx.where()}{what} {fqn}: {local.numel()} local elements of an empty parameter"
+            )
+            continue
+        assert local.shape == expected.shape and torch.equal(local, expected), (
+            f"{ctx.where()}{what} {fqn} {tuple(orig.shape)} Shard({dim}): local shard {tuple(local.shape)} "
+            f"{local.reshape(-1)[:4].tolist()}, expected its chunk {tuple(expected.shape)} "
+            f"{expected.reshape(-1)[:4].tolist()}"
+        )
+        padded = views[fqn].padded
+        if dim == 0 and base.PADDED_STORAGE in ctx.impl.capabilities and padded is not None:
+            rows = chunk_size(orig.shape[0], ctx.world_size)
+            want = rows * fm.numel(orig.shape[1:])
+            assert padded.numel() == want, (
+                f"{ctx.where()}{what} {fqn}: padded storage of {padded.numel()} elements, expected {want}"
+            )
+            assert not padded.detach().cpu()[expected.numel() :].any(), (
+                f"{ctx.where()}{what} {fqn}: padding after element {expected.numel()} is not zero"
+            )
+            if views_padded and local.numel():
+                storage = views[fqn].local.untyped_storage().data_ptr()
+                assert storage == padded.untyped_storage().data_ptr(), (
+                    f"{ctx.where()}{what} {fqn}: the local shard is not a view of the padded storage"
+                )
+
+
 @fuzz_check(features=NO_TRAINING)
 @check(area="fuzz")
 def layout(ctx, example):
@@ -157,34 +200,7 @@ def layout(ctx, example):
     model, oracle = shard(ctx, example)
     originals = oracle_params(oracle)
     if base.PER_PARAM_DIM0 in ctx.impl.capabilities:
-        views = {clean_fqn(k): v for k, v in ctx.impl.local_shards(model).items()}
-        assert set(views) == set(originals), (
-            f"{ctx.where()} parameters {sorted(views)} != {sorted(originals)}"
-        )
-        for fqn, orig in originals.items():
-            dim = example.get("placements", {}).get(fqn, 0)
-            expected = local_chunk(orig, dim, ctx.world_size, ctx.rank)
-            local = views[fqn].local.detach().cpu()
-            if orig.numel() == 0:  # no values to place (zero-trailing shapes: layout.py's cases)
-                assert local.numel() == 0, (
-                    f"{ctx.where()} {fqn}: {local.numel()} local elements of an empty parameter"
-                )
-                continue
-            assert local.shape == expected.shape and torch.equal(local, expected), (
-                f"{ctx.where()} {fqn} {tuple(orig.shape)} Shard({dim}): local shard {tuple(local.shape)} "
-                f"{local.reshape(-1)[:4].tolist()}, expected its chunk {tuple(expected.shape)} "
-                f"{expected.reshape(-1)[:4].tolist()}"
-            )
-            padded = views[fqn].padded
-            if dim == 0 and base.PADDED_STORAGE in ctx.impl.capabilities and padded is not None:
-                rows = chunk_size(orig.shape[0], ctx.world_size)
-                want = rows * fm.numel(orig.shape[1:])
-                assert padded.numel() == want, (
-                    f"{ctx.where()} {fqn}: padded storage of {padded.numel()} elements, expected {want}"
-                )
-                assert not padded.detach().cpu()[expected.numel() :].any(), (
-                    f"{ctx.where()} {fqn}: padding after element {expected.numel()} is not zero"
-                )
+        assert_per_param_layout(ctx, model, originals, example)
     elif base.FLAT_PARAM in ctx.impl.capabilities:
         seen = []
         for fqns, shard_ in ctx.impl.flat_shards(model):
@@ -222,7 +238,7 @@ def layout(ctx, example):
             )
 
 
-@fuzz_check(features=fs.ALL_FEATURES)
+@fuzz_check(features=fs.ALL_FEATURES - {fs.ASSIGN})
 @check(area="fuzz", requires={base.TRAINING})
 def train_parity(ctx, example):
     """A random model trained 2-3 SGD steps, each rank on its slice of the global batch, has the
@@ -230,6 +246,13 @@ def train_parity(ctx, example):
     model, oracle = shard(ctx, example)
     before = oracle_params(oracle)
     train(ctx, model, oracle, example, example["steps"])
+    assert_trained(ctx, example, model, oracle, before, example["steps"])
+
+
+def assert_trained(ctx, example: dict, model, oracle, before: dict, steps: int) -> None:
+    """After ``steps`` steps from ``before`` (the oracle's parameters), the sharded ``model``'s
+    gathered parameters equal the oracle's (fp32), or (mixed precision) are within 25% of the
+    largest fp32 update + 1e-3 of them."""
     got, want = gathered(ctx, model), oracle_params(oracle)
     low = bool(example.get("options", {}).get("mixed_precision"))
     # low precision: compared with the model's largest fp32 update (a parameter whose gradient is
@@ -237,13 +260,11 @@ def train_parity(ctx, example):
     scale = max((v - before[n]).norm().item() for n, v in want.items())
     for fqn, value in want.items():
         if not low:
-            assert_close(
-                ctx, f"{fqn} after {example['steps']} steps", got[fqn], value, FP32["param"]
-            )
+            assert_close(ctx, f"{fqn} after {steps} steps", got[fqn], value, FP32["param"])
             continue
         err = (got[fqn] - value).float().norm().item()
         assert err <= MP_TOL["update"] * scale + MP_TOL["atol"], (
-            f"{ctx.where()} {fqn}: after {example['steps']} mixed-precision steps the parameters are "
+            f"{ctx.where()} {fqn}: after {steps} mixed-precision steps the parameters are "
             f"{err:.3g} (norm) from the fp32 oracle's, more than 25% of the largest update "
             f"{scale:.3g} + 1e-3"
         )
@@ -344,6 +365,12 @@ SD_ROUND_TRIP_DROPS = [
         cases={"sharded", "local"},
     ),
     Drop(
+        fs.ASSIGN,
+        "load_state_dict(assign=True) loads the module's own DTensor dict (the sharded case); "
+        "FULL and LOCAL dicts load through their own APIs",
+        cases={"full", "local"},
+    ),
+    Drop(
         fs.ORIG_PARAMS,
         "LOCAL_STATE_DICT with use_orig_params=True is undefined upstream (S17: torch 2.13 returns a "
         "mixed dict of original and flat keys; the reference refuses it with a RuntimeError)",
@@ -372,7 +399,8 @@ def state_dict_round_trip(ctx, example, kind):
     non-persistent ones (with ``rank0_only``: on rank 0, the others get ``{}``); a LOCAL dict (FSDP1)
     holds per unit this rank's chunk of the flat parameter, its managed parameters flattened in
     registration order; each loads into a freshly built model with other values, restoring them
-    (S2, S3, S5, S7, S8, S12, P8)."""
+    (with the ``assign`` feature, FSDP2's own DTensor dict loads with ``assign=True``: new sharded
+    Parameters, re-padded, and one more step matches the oracle) (S2, S3, S5, S7, S8, S12, P8, P9)."""
     impl_kind = _kind(ctx.impl, kind)
     model, oracle = shard(ctx, example)
     train(ctx, model, oracle, example, 1)
@@ -408,8 +436,46 @@ def state_dict_round_trip(ctx, example, kind):
             continue  # a Shard(d) entry: checked through the load below
         assert_entry(ctx, name, sd[name], value, full=full or name not in dims)
     fresh, _ = shard(ctx, example, salt=1)
+    if example.get("assign") and impl_kind == "dtensor":
+        assign_and_train(ctx, example, fresh, sd, expected, oracle)
+        return
     ctx.impl.load_state_dict(fresh, sd, impl_kind)
     assert_restored(ctx, fresh, expected, f"after loading the {impl_kind} state dict")
+
+
+def assign_and_train(ctx, example: dict, fresh, sd: dict, expected: dict, oracle) -> None:
+    """``fresh.load_state_dict(sd, assign=True)`` (FSDP2 API, ``sd`` the trained model's own DTensor
+    dict): every parameter is a new Parameter, a DTensor on the mesh with its placement (Shard(0)
+    or the example's), holding its chunk of the saved values, re-padded into its own padded storage
+    (``reset_sharded_param``, P9); the values are restored, and one more training step of the loaded
+    model matches the oracle's (P6, P8, P9)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    what = "after load_state_dict(assign=True)"
+    before = dict(fresh.named_parameters())
+    result = fresh.load_state_dict(sd, assign=True)
+    assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {what}: {result}"
+    dims = placement_dims(example, oracle)
+    for fqn, param in fresh.named_parameters():
+        name = clean_fqn(fqn)
+        assert param is not before[fqn], f"{ctx.where()} {what}: {name} is the old Parameter"
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} {what}: {name} is a {type(param).__name__}, expected a DTensor"
+        )
+        assert tuple(param.placements) == (Shard(dims[name]),), (
+            f"{ctx.where()} {what}: {name} placements {param.placements}, expected "
+            f"(Shard({dims[name]}),)"
+        )
+    params = {n: expected[n] for n, _ in oracle.named_parameters()}
+    assert_per_param_layout(ctx, fresh, params, example, what, views_padded=True)
+    assert_restored(ctx, fresh, expected, what)
+    with torch.no_grad():  # non-persistent buffers are in no state dict: the oracle's, to train on
+        for name, buf in oracle.named_buffers():
+            if name not in expected:
+                fresh.get_buffer(name).copy_(buf)
+    start = oracle_params(oracle)
+    train(ctx, fresh, oracle, example, 1)
+    assert_trained(ctx, example, fresh, oracle, start, 1)
 
 
 def _partner(impl):
@@ -423,7 +489,9 @@ def _partner(impl):
 # cross_load saves FULL dicts on every rank (no rank0_only) and builds the partner without the
 # example's options (plain), so mixed precision and CPU offload are state_dict_round_trip's; ties
 # are kept: tied examples pass on all four built-ins (measured at ws 1-2)
-@fuzz_check(features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.CPU_OFFLOAD, fs.RANK0_ONLY})
+@fuzz_check(
+    features=fs.ALL_FEATURES - {fs.MIXED_PRECISION, fs.CPU_OFFLOAD, fs.RANK0_ONLY, fs.ASSIGN}
+)
 @check(area="fuzz", requires={base.TRAINING})
 def cross_load(ctx, example):
     """A full state dict saved by the implementation loads into the other layout's reference

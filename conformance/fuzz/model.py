@@ -16,6 +16,7 @@ An *example* is a dict of plain values (it pickles, and ``repr`` of it is valid 
 ``placements``  parameter FQN -> the dim ``shard_placement_fn`` shards it on (absent: dim 0)
 ``steps``       optimizer steps of the training checks
 ``rank0_only``  FULL state dicts with ``rank0_only=True`` (FSDP1)
+``assign``      FSDP2 DTensor state dicts load with ``load_state_dict(..., assign=True)``
 
 Module paths are ``nn.Sequential``-style (``"0.1"``); the root's path is ``""``.
 """
@@ -163,8 +164,11 @@ def shard_options(example: dict, model: nn.Module) -> dict:
     if mp:
         options["mixed_precision"] = {k: getattr(torch, v) if v else None for k, v in mp.items()}
     if example.get("placements"):
-        dims = {id(p): example["placements"][n] for n, p in model.named_parameters()
-                if n in example["placements"]}
+        dims = {
+            id(p): example["placements"][n]
+            for n, p in model.named_parameters()
+            if n in example["placements"]
+        }
         options["shard_placement_fn"] = lambda p: Shard(dims[id(p)]) if id(p) in dims else None
     return options
 
@@ -175,7 +179,9 @@ def managed(model: nn.Module, units: list[str]) -> dict[str, list[str]]:
     owner = {}
     for fqn, _ in model.named_parameters():
         module_path = fqn.rpartition(".")[0]
-        candidates = [u for u in units if u == "" or module_path == u or module_path.startswith(u + ".")]
+        candidates = [
+            u for u in units if u == "" or module_path == u or module_path.startswith(u + ".")
+        ]
         owner[fqn] = max(candidates, key=lambda u: (u.count(".") + 1 if u else 0, len(u)))
     return {u: [f for f, o in owner.items() if o == u] for u in units}
 

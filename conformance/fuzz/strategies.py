@@ -34,6 +34,9 @@ implementations (``UPSTREAM``), so the fuzz exercises them on the reference and 
   would split a tie and can leave a unit with only empty parameters: batch norms are never tied,
   and (*torch only*, the empty-unit limitation above) torch-fsdp1's examples with mixed precision
   have no zero dims;
+* ``load_state_dict(assign=True)`` gives every key its own new Parameter, the aliases of a tie
+  too, so it unties them (nn.Module's rule, not FSDP's): an example with ties is never loaded with
+  ``assign``;
 * tied parameters split over two units are not a supported configuration of either API: a unit
   holds both ends of a tie or neither. (Torch DCP's full load rejects the alias keys of
   ``state_dict::shared_params``' model, a shared module plus a second attribute naming one
@@ -58,6 +61,7 @@ TRAINING = "training"  # the check runs backward (see the zero-size limitation a
 ZERO_SIZE = "zero-size"  # parameters may have zero dims
 CPU_OFFLOAD = "cpu-offload"
 RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(rank0_only=True)
+ASSIGN = "assign"  # FSDP2 module.load_state_dict(own DTensor dict, assign=True) (P9)
 ALL_FEATURES = frozenset(
     {
         MIXED_PRECISION,
@@ -69,6 +73,7 @@ ALL_FEATURES = frozenset(
         ZERO_SIZE,
         CPU_OFFLOAD,
         RANK0_ONLY,
+        ASSIGN,
     }
 )
 UPSTREAM = frozenset(
@@ -224,6 +229,12 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     example["options"] = options
     if RANK0_ONLY in features and base.FULL_STATE_DICT in caps:
         example["rank0_only"] = draw(st.booleans())
+    if (
+        ASSIGN in features
+        and {base.FSDP2_API, base.DTENSOR_STATE_DICT} <= caps
+        and not example.get("ties")  # see the module docstring
+    ):
+        example["assign"] = draw(st.booleans())
     if PLACEMENTS in features and base.SHARD_PLACEMENT_FN in caps and allows("shard_placement_fn"):
         placements = {}
         for name, p in model.named_parameters():

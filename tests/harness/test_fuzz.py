@@ -275,3 +275,21 @@ def test_local_case_expects_each_units_flat_chunk():
         local = _case_features(state_dict_round_trip, "local", impl)
         assert fs.ORIG_PARAMS not in local and fs.RANK0_ONLY not in local, (impl, sorted(local))
         assert fs.ZERO_SIZE in local and fs.TIES in local and fs.MIXED_PRECISION in local
+
+
+def test_assign_loads_drawn_for_fsdp2_sharded_dicts_only():
+    """The sharded case of FSDP2-style implementations loads with ``assign=True`` in a good share
+    of its examples, never for an example with ties (assign unties them) nor in the full and local
+    cases or for FSDP1-style implementations."""
+    from conformance.checks.fuzz import state_dict_round_trip
+
+    for impl in ("reference", "torch-fsdp2"):
+        features = _case_features(state_dict_round_trip, "sharded", impl)
+        drawn = _derandomized(impl, features, 60)
+        assigned = [e for e in drawn if e.get("assign")]
+        assert len(assigned) >= 15, (impl, len(assigned))
+        assert not any(e.get("ties") for e in assigned)
+        for case in ("full", "local"):
+            assert fs.ASSIGN not in _case_features(state_dict_round_trip, case, impl)
+    drawn = _derandomized("reference-fsdp1", fs.ALL_FEATURES, 30)
+    assert not any("assign" in e for e in drawn)
