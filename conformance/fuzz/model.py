@@ -17,6 +17,8 @@ An *example* is a dict of plain values (it pickles, and ``repr`` of it is valid 
 ``steps``       optimizer steps of the training checks
 ``rank0_only``  FULL state dicts with ``rank0_only=True`` (FSDP1)
 ``assign``      FSDP2 DTensor state dicts load with ``load_state_dict(..., assign=True)``
+``mesh``        ``[replicate, shard]``: every unit is sharded on that 2-D (HSDP) mesh
+``divide_factors``  unit path -> ``set_gradient_divide_factor`` value (FSDP2)
 
 Module paths are ``nn.Sequential``-style (``"0.1"``); the root's path is ``""``.
 """

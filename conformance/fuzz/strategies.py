@@ -11,6 +11,12 @@ top of the zeros ``dims`` draws; measured over 200 derandomized examples at ws 2
 references' examples hold one (was 2-8%), and 2-5 of the CI budget's 8 (was 0-2); torch-fsdp1's
 share is lower (21-38%) because its mixed-precision examples draw no zero dims (below).
 
+Options drawn for one kind of check only: ``assign`` (FSDP2's own DTensor dict loaded with
+``assign=True``: state_dict_round_trip[sharded]); an HSDP ``mesh`` (``HSDP_MESHES``: (1, 2) or
+(2, 1) at ws 2, (2, 2) at ws 4) and per-unit ``divide_factors`` from (1, ws, 3) (FSDP2 API:
+train_parity, whose oracle scales each unit's gradient by ws / f). Per-check, per-implementation
+drops (torch-fsdp2's divide factors, ...) are :class:`conformance.fuzz.Drop` s next to the checks.
+
 Known upstream limitations the examples steer around (each also covered, as an expected failure,
 by a hand-written check); the ones marked *torch only* are steered around only for the torch
 implementations (``UPSTREAM``), so the fuzz exercises them on the reference and on other forks:
@@ -62,6 +68,10 @@ ZERO_SIZE = "zero-size"  # parameters may have zero dims
 CPU_OFFLOAD = "cpu-offload"
 RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(rank0_only=True)
 ASSIGN = "assign"  # FSDP2 module.load_state_dict(own DTensor dict, assign=True) (P9)
+HSDP = "hsdp"  # a 2-D (replicate, shard) mesh at ws 2 and 4
+DIVIDE_FACTOR = "divide-factor"  # FSDP2 set_gradient_divide_factor per unit
+# (replicate, shard) mesh shapes per world size
+HSDP_MESHES = {2: [[1, 2], [2, 1]], 4: [[2, 2]]}
 ALL_FEATURES = frozenset(
     {
         MIXED_PRECISION,
@@ -74,6 +84,8 @@ ALL_FEATURES = frozenset(
         CPU_OFFLOAD,
         RANK0_ONLY,
         ASSIGN,
+        HSDP,
+        DIVIDE_FACTOR,
     }
 )
 UPSTREAM = frozenset(
@@ -235,6 +247,22 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         and not example.get("ties")  # see the module docstring
     ):
         example["assign"] = draw(st.booleans())
+    if (
+        HSDP in features
+        and base.HSDP in caps
+        and allows("mesh")
+        and ws in HSDP_MESHES
+        and draw(st.booleans())
+    ):
+        example["mesh"] = list(draw(st.sampled_from(HSDP_MESHES[ws])))
+    if DIVIDE_FACTOR in features and base.FSDP2_API in caps:
+        factors = {
+            u: draw(st.sampled_from([1.0, float(ws), 3.0]))
+            for u in wrap + [""]
+            if draw(st.booleans())
+        }
+        if factors:
+            example["divide_factors"] = factors
     if PLACEMENTS in features and base.SHARD_PLACEMENT_FN in caps and allows("shard_placement_fn"):
         placements = {}
         for name, p in model.named_parameters():

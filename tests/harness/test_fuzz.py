@@ -293,3 +293,51 @@ def test_assign_loads_drawn_for_fsdp2_sharded_dicts_only():
             assert fs.ASSIGN not in _case_features(state_dict_round_trip, case, impl)
     drawn = _derandomized("reference-fsdp1", fs.ALL_FEATURES, 30)
     assert not any("assign" in e for e in drawn)
+
+
+def test_hsdp_meshes_and_divide_factors_reach_train_parity():
+    """train_parity's examples put FSDP2-style implementations on (replicate, shard) meshes at ws 2
+    and 4 (never at 1 or 3, never FSDP1), and the reference's set per-unit gradient divide factors
+    from (1, ws, 3); torch-fsdp2's do not (its Drop), nor do the other fuzz checks."""
+    from conformance.checks.fuzz import layout, state_dict_round_trip, train_parity
+
+    for ws in (1, 2, 3, 4):
+        for impl in ("reference", "torch-fsdp2", "reference-fsdp1"):
+            drawn = _derandomized(impl, _case_features(train_parity, "", impl), 40, ws)
+            meshes = [e["mesh"] for e in drawn if "mesh" in e]
+            if impl == "reference-fsdp1" or ws not in fs.HSDP_MESHES:
+                assert not meshes, (impl, ws, meshes)
+            else:
+                assert len(meshes) >= 5 and all(m in fs.HSDP_MESHES[ws] for m in meshes)
+                assert all(r * s == ws for r, s in meshes)
+            factors = [f for e in drawn for f in e.get("divide_factors", {}).values()]
+            if impl == "reference":
+                assert len(factors) >= 10 and set(factors) <= {1.0, float(ws), 3.0}, factors
+            else:
+                assert not factors, (impl, ws)
+    for check_fn, case in ((layout, ""), (state_dict_round_trip, "sharded")):
+        features = _case_features(check_fn, case, "reference")
+        assert fs.HSDP not in features and fs.DIVIDE_FACTOR not in features
+
+
+def test_divide_factor_scales_the_oracle_gradient_per_unit():
+    """With a unit's divide factor f the sharded gradient is the ranks' SUM over f, i.e. ws / f times
+    the oracle's mean-loss gradient, for the parameters that unit manages; others keep 1."""
+    from conformance.checks.fuzz import grad_scales
+
+    example = {
+        "seed": 0,
+        "width": 2,
+        "tree": {
+            "kind": "seq",
+            "children": [
+                {"kind": "linear", "out": 2, "bias": True},
+                {"kind": "seq", "children": [{"kind": "layernorm"}]},
+                {"kind": "embedding", "num": 3},
+            ],
+        },
+        "wrap": ["0", "1"],
+        "divide_factors": {"0": 1.0, "": 3.0},
+    }
+    scales = grad_scales(example, fm.build(example), 4)
+    assert scales == {"0.weight": 4.0, "0.bias": 4.0, "2.weight": 4 / 3}
