@@ -435,6 +435,7 @@ SD_ROUND_TRIP_DROPS = [
 @fuzz_check(
     features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD, fs.HSDP, fs.DIVIDE_FACTOR},
     drops=SD_ROUND_TRIP_DROPS,
+    case_requires={"local": {base.LOCAL_STATE_DICT}},
 )
 @check(
     area="fuzz",

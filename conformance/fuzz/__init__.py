@@ -65,11 +65,13 @@ def dropped(drops, case: str, impl_name: str) -> list[Drop]:
     return [d for d in drops if d.applies(case, impl_name)]
 
 
-def fuzz_check(features, drops=()):
+def fuzz_check(features, drops=(), case_requires=None):
     """Mark a registered check as a fuzz check whose examples may use ``features`` (see
     :mod:`conformance.fuzz.strategies`), less those of the :class:`Drop` s in ``drops`` that apply
     to a case and implementation: the plugin collects it as a :class:`~conformance.fuzz.item.FuzzItem`.
-    Put it above ``@check``."""
+    ``case_requires``: case -> capabilities that case needs beyond the check's ``requires`` (an
+    implementation without them is NotSupported before any example is drawn). Put it above
+    ``@check``."""
 
     def mark(fn):
         from conformance.fuzz.item import FuzzItem
@@ -78,11 +80,14 @@ def fuzz_check(features, drops=()):
         fn.item_class = FuzzItem
         fn.fuzz_features = frozenset(features)
         fn.fuzz_drops = tuple(drops)
+        fn.fuzz_case_requires = {c: frozenset(r) for c, r in (case_requires or {}).items()}
         cases = {c for spec in CHECKS if spec.fn is fn for c in spec.cases}
-        unknown = {c for d in fn.fuzz_drops for c in d.cases} - cases - {EVERY}
+        unknown = {c for d in fn.fuzz_drops for c in d.cases} | set(fn.fuzz_case_requires)
+        unknown = unknown - cases - {EVERY}
         if unknown:  # a misspelt case would silently drop nothing
             raise ValueError(
-                f"fuzz check {fn.__name__}: Drop for unknown case(s) {sorted(unknown)} "
+                f"fuzz check {fn.__name__}: Drop or case_requires for unknown case(s) "
+                f"{sorted(unknown)} "
                 f"(its cases: {sorted(cases)})"
             )
         return fn

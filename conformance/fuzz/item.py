@@ -34,6 +34,9 @@ class FuzzItem(CheckItem):
     def runtest(self):
         meta, session = self.meta, _session(self.config)
         impl = self._supported_implementation()
+        missing = sorted(meta.spec.fn.fuzz_case_requires.get(meta.case, set()) - impl.capabilities)
+        if missing:  # before hypothesis: rejecting every drawn example would take seconds
+            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
         deep = self.config.option.fuzz_examples
         timeout = meta.spec.timeout or self.config.option.check_timeout
         case_kwargs = meta.spec.cases[meta.case]

@@ -170,8 +170,43 @@ def test_drop_needs_a_reason_and_a_known_case():
             @check(area="fuzz", cases={"full": {}})
             def misspelt(ctx, example):
                 """A fuzz check whose drop names a case it does not have."""
+
+        with pytest.raises(ValueError, match=r"unknown case\(s\) \['locl'\]"):
+
+            @fuzz_check(fs.ALL_FEATURES, case_requires={"locl": {"local-state-dict"}})
+            @check(area="fuzz", cases={"local": {}})
+            def misspelt_requires(ctx, example):
+                """A fuzz check whose case_requires names a case it does not have."""
     finally:
         CHECKS[:] = before
+
+
+def test_local_case_is_not_supported_without_drawing_examples(tmp_path):
+    """An FSDP2-style implementation has no LOCAL dicts: its local case is NotSupported at once
+    (case_requires), not after hypothesis has rejected example after example."""
+    reports = tmp_path / "reports"
+    run = _run(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "--impl",
+            "reference",
+            "--world-sizes",
+            "1",
+            "--reports-dir",
+            str(reports),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "conformance/checks/fuzz.py::state_dict_round_trip",
+        ],
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    cases = {c["id"]: c for c in json.loads((reports / "conformance.json").read_text())["cases"]}
+    local = cases["fuzz::state_dict_round_trip[ws1-local]"]
+    assert local["outcome"] != "pass" and "does not declare local-state-dict" in local["message"]
 
 
 def test_only_torch_fsdp1_steers_around_units_of_empty_parameters():
