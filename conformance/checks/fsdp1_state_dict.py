@@ -329,6 +329,46 @@ def zero_numel_param_round_trip(ctx):
     assert_loaded(ctx, dst, expected, "after loading a SHARDED dict with a zero-numel parameter")
 
 
+class _Hole(nn.Module):
+    """A module whose only parameter has numel 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(0))
+
+
+class WithEmptyUnit(nn.Module):
+    """``hole`` (its only parameter has numel 0), a unit of its own, next to Linear(4, 4)."""
+
+    def __init__(self, salt: int = 0):
+        super().__init__()
+        self.hole = _Hole()
+        self.lin = nn.Linear(4, 4)
+        fill_(self, salt)
+
+
+@check(area=AREA, requires={base.LOCAL_STATE_DICT, base.FLAT_PARAM}, min_world_size=2)
+def local_empty_unit_round_trip(ctx):
+    """S6: a unit whose flat parameter has no elements (its one parameter has numel 0) saves a
+    LOCAL dict whose ``hole._flat_param`` is a ShardedTensor of size (0,) (the root's is one of
+    the Linear's 20 elements), and the dict loads into a fresh model restoring the Linear. (Found
+    by the fuzz area's ``local`` case on the reference; torch 2.13's FSDP1 cannot wrap such a
+    unit. At world size 1 a LOCAL dict is a FULL one, S8.)"""
+    require_kind(ctx, "local")
+    plan = [("hole", {}), ("", {})]
+    model = build(ctx, WithEmptyUnit, plan=plan)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "local"))
+    flat = {k: v for k, v in sd.items() if k.endswith("_flat_param")}
+    want = {"hole._flat_param": 0, "_flat_param": 20}
+    got = {k: tuple(v.size()) for k, v in flat.items()}
+    assert got == {k: (n,) for k, n in want.items()}, (
+        f"{ctx.where()} LOCAL flat parameters {got}, expected {want} as 1-D sizes")
+    dst = build(ctx, WithEmptyUnit, salt=1, plan=plan)
+    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "local"))
+    assert_loaded(ctx, dst, plain_reference(WithEmptyUnit, 0),
+                  "after loading a LOCAL dict with an empty unit")
+
+
 # --------------------------------------------------------------------------- use_orig_params
 ORIG_PARAMS_CASES = {
     "full": {"kind": "full", "config": {}},

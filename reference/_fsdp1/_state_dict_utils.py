@@ -260,14 +260,17 @@ def _placement_device(device: torch.device, global_rank: int) -> str:
 
 def _local_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> None:
     """LOCAL: the flat shard without its padding, as a 1-D ShardedTensor of the unpadded numel
-    at offset ``C * rank`` (no copy; pure-padding ranks hold no local shard)."""
+    at offset ``C * rank`` (no copy; pure-padding ranks hold no local shard). A flat parameter of
+    no elements (every managed parameter has numel 0) is one empty shard on rank 0: a
+    ShardedTensor needs a shard somewhere."""
     handle = state._handle
     if handle is None:
         return
     fp = handle.flat_param
     valid = fp.numel() - fp._shard_numel_padded
     shards = []
-    if valid > 0:
+    no_elements = fp._unpadded_unsharded_size.numel() == 0
+    if valid > 0 or (no_elements and state.rank == 0):
         shards = [
             Shard.from_tensor_and_offsets(
                 fp[:valid].view(valid), [fp.numel() * state.rank], state.rank
