@@ -143,6 +143,19 @@ fault("r1-local-keeps-padding", "reference-fsdp1", "S7", "state_dict",
       world_sizes=(3,))(_local_with_padding)
 
 
+def _drop_empty_flat_param(result, state, state_dict, prefix):
+    handle = state._handle
+    if handle is not None and handle.flat_param._unpadded_unsharded_size.numel() == 0:
+        state_dict.pop(prefix + "_flat_param", None)  # the bug: an empty unit saves no entry
+    return result
+
+
+fault("r1-local-drops-empty-unit", "reference-fsdp1", "S6", "state_dict",
+      f"{REF1}:_local_post_state_dict",
+      "LOCAL_STATE_DICT leaves out the flat parameter of a unit with no elements",
+      world_sizes=(2,))(wrap(after=_drop_empty_flat_param))
+
+
 def _type_not_restored(original):
     @contextlib.contextmanager
     def state_dict_type(module, state_dict_type, state_dict_config=None, *args, **kwargs):
