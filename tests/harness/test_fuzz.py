@@ -44,26 +44,18 @@ def _run(args, cwd, timeout=600):
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def _conformance(impl: str, world_size: int, reports, check: str):
+    """``python -m conformance`` for one check on one implementation and world size, quiet,
+    writing into ``reports``."""
+    args = ["--impl", impl, "--world-sizes", str(world_size), "--reports-dir", str(reports), "-q"]
+    return _run(
+        [sys.executable, "-m", "conformance", *args, "-p", "no:cacheprovider", check], cwd=ROOT
+    )
+
+
 def test_broken_fork_found_and_repro_fails_alone_but_passes_on_reference(tmp_path):
     reports = tmp_path / "reports"
-    run = _run(
-        [
-            sys.executable,
-            "-m",
-            "conformance",
-            "--impl",
-            FORK,
-            "--world-sizes",
-            "2",
-            "--reports-dir",
-            str(reports),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "conformance/checks/fuzz.py::train_parity",
-        ],
-        cwd=ROOT,
-    )
+    run = _conformance(FORK, 2, reports, "conformance/checks/fuzz.py::train_parity")
     assert run.returncode != 0, run.stdout[-3000:]
     assert "Standalone reproducer" in run.stdout
     (record,) = [
@@ -185,24 +177,7 @@ def test_local_case_is_not_supported_without_drawing_examples(tmp_path):
     """An FSDP2-style implementation has no LOCAL dicts: its local case is NotSupported at once
     (case_requires), not after hypothesis has rejected example after example."""
     reports = tmp_path / "reports"
-    run = _run(
-        [
-            sys.executable,
-            "-m",
-            "conformance",
-            "--impl",
-            "reference",
-            "--world-sizes",
-            "1",
-            "--reports-dir",
-            str(reports),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "conformance/checks/fuzz.py::state_dict_round_trip",
-        ],
-        cwd=ROOT,
-    )
+    run = _conformance("reference", 1, reports, "conformance/checks/fuzz.py::state_dict_round_trip")
     assert run.returncode == 0, run.stdout[-3000:]
     cases = {c["id"]: c for c in json.loads((reports / "conformance.json").read_text())["cases"]}
     local = cases["fuzz::state_dict_round_trip[ws1-local]"]
