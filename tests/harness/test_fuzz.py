@@ -122,27 +122,12 @@ def test_drops_are_per_implementation_and_case():
 def test_reference_examples_use_the_feature_upstream_drops():
     """The features a case keeps reach the examples: the reference-fsdp1 SHARDED case draws
     zero-numel parameters, torch-fsdp1's never does (400 derandomized examples each)."""
-    from hypothesis import HealthCheck
-
     from conformance.checks.fuzz import state_dict_round_trip
 
     for impl, expected in (("reference-fsdp1", True), ("torch-fsdp1", False)):
         features = _case_features(state_dict_round_trip, "sharded", impl)
-        empty = []
-
-        @settings(
-            max_examples=400,
-            database=None,
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(fs.examples(2, load_implementation(impl), features))
-        def draw(example):
-            if any(p.numel() == 0 for p in fm.build(example).parameters()):
-                empty.append(example)  # noqa: B023 - the list of this loop iteration
-
-        draw()
+        drawn = _derandomized(impl, features, 400)
+        empty = [e for e in drawn if any(p.numel() == 0 for p in fm.build(e).parameters())]
         assert bool(empty) == expected, (impl, len(empty), sorted(features))
 
 
@@ -188,27 +173,14 @@ def test_only_torch_fsdp1_steers_around_units_of_empty_parameters():
     """torch 2.13's FSDP1 cannot wrap a unit whose parameters are all empty, so torch-fsdp1's
     examples never hold one; reference-fsdp1 shards such units, so its examples do (400
     derandomized examples each, every feature)."""
-    from hypothesis import HealthCheck
-
     for impl, expected in (("reference-fsdp1", True), ("torch-fsdp1", False)):
         found = []
-
-        @settings(
-            max_examples=400,
-            database=None,
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(fs.examples(2, load_implementation(impl), fs.ALL_FEATURES))
-        def draw(example):
+        for example in _derandomized(impl, fs.ALL_FEATURES, 400):
             model = fm.build(example)
             shapes = {n: p.shape for n, p in model.named_parameters()}
             owned = fm.managed(model, example["wrap"] + [""])
             if any(fqns and not any(fm.numel(shapes[f]) for f in fqns) for fqns in owned.values()):
-                found.append(example)  # noqa: B023 - the list of this loop iteration
-
-        draw()
+                found.append(example)
         assert bool(found) == expected, (impl, len(found))
 
 
