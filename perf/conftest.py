@@ -75,7 +75,7 @@ def pytest_addoption(parser):
         type=float,
         default=1.0,
         help="seconds of measured rounds per task (rounds = budget / warm-up round, "
-        "clamped to [3, 30]; the paired area: to [16, 200]; default 1.0)",
+        "clamped to [3, 30]; the paired area: 9 blocks of [2, 22]; default 1.0)",
     )
     g.addoption(
         "--cpu-allocator",
@@ -412,6 +412,14 @@ def make_record(case: Case, result: TaskResult, perf: PerfSession) -> dict:
         if len(floor_times) == len(times) and all(floor_times):  # same rounds, paired
             # each round's time over its floor's in the same round: the report's paired statistics
             rec["round_ratios"] = [t / f for t, f in zip(times, floor_times)]
+            blocks = info.get("round_blocks", {}).get(case.step)
+            if blocks and sum(blocks) == len(times):  # rounds in blocks over fresh allocations
+                rec["round_blocks"] = list(blocks)
+                starts = [sum(blocks[:b]) for b in range(len(blocks))]
+                rec["block_ratios"] = [
+                    statistics.median(rec["round_ratios"][s : s + n])
+                    for s, n in zip(starts, blocks)
+                ]
     nbytes = info.get("local_padded_bytes") if case.area == "padding" else info.get("gather_bytes")
     if nbytes and med:
         if case.area == "padding":

@@ -326,8 +326,24 @@ def median_ci(values, confidence: float = CONFIDENCE) -> tuple[float, float] | N
     The interval is the dual of the sign test: its lower bound is above 1 exactly when a
     one-sided sign test at level ``(1 - confidence) / 2`` says the median ratio is above 1.
 
-    What it assumes: rounds are independent draws. Machine load is correlated over seconds, so
-    neighbouring rounds are not quite independent and the true coverage can fall short of the
+    What it is applied to: not the rounds but the *block medians* (``block_ratios``). Where a
+    model's buffers land in memory moves a byte-bound step's time by a few per cent and is fixed
+    for the model's lifetime, so rounds on one pair of models share one draw of it and are not
+    independent draws of what a user would see: an interval over rounds is too narrow (one run
+    said 1.03× [1.01, 1.05] where fresh processes give 0.94–1.03×). The paired body therefore
+    rebuilds both models before each of its blocks (``perf/_bodies/paired.py``, Note "blocks"),
+    and the blocks, each the median of its own rounds, are the independent draws. The price is
+    that blocks are few: the joint level over ``m`` cases needs ``min_blocks(m)`` of them (8 for
+    6 cases, 9 for 12), and at that count the interval is ``[min, max]`` of the block medians,
+    i.e. "significantly slower" means every block was slower. A t-interval on the log block
+    medians would be narrower at the same count, but would assume the placement effect is
+    normal (it is not known to be: it looks like a few discrete levels), and its quantile at the
+    joint level gives much of that back (over 12 cases, t at 99.79% is about 4.0 with 9 blocks,
+    5.9 with 5), while 9 blocks cost the slow ws 4 cases little more than the 16 rounds they
+    took before blocks (``BLOCKS × (warm-up + 2)`` rounds).
+
+    What it still assumes: blocks are independent. Machine load is correlated over seconds, so
+    neighbouring blocks are not quite independent and the true coverage can fall short of the
     stated one; the steps' order alternates round by round so that the position in a round
     biases neither.
     """
@@ -341,13 +357,28 @@ def median_ci(values, confidence: float = CONFIDENCE) -> tuple[float, float] | N
     return (xs[k - 1], xs[n - k]) if k else None
 
 
+def min_blocks(cases: int, confidence: float = CONFIDENCE) -> int:
+    """The fewest blocks for which ``median_ci`` gives an interval at the joint level
+    ``confidence`` over ``cases`` cases (each case's at ``1 - (1 - confidence) / cases``): the
+    widest interval, ``[min, max]`` of ``n`` values, misses the median with probability
+    ``2 / 2**n``, so the least ``n`` with ``2 / 2**n <= (1 - confidence) / cases``."""
+    n = 1
+    while 2 / 2**n > (1 - confidence) / cases:
+        n += 1
+    return n
+
+
 def _paired_stats(r: dict, confidence: float = CONFIDENCE) -> dict:
-    """Median per-round ratio, its interval and the rounds count of one paired record."""
+    """Of one paired record: the median per-round ratio and the rounds count; the median of the
+    block medians, its interval (``median_ci`` over the blocks) and the blocks count."""
     ratios = r.get("round_ratios") or []
+    blocks = r.get("block_ratios") or []
     return {
         "n": len(ratios),
-        "median": statistics.median(ratios) if ratios else None,
-        "ci": median_ci(ratios, confidence) if ratios else None,
+        "round_median": statistics.median(ratios) if ratios else None,
+        "blocks": len(blocks),
+        "median": statistics.median(blocks) if blocks else None,
+        "ci": median_ci(blocks, confidence) if blocks else None,
     }
 
 
@@ -363,22 +394,26 @@ def _paired(ix: Index) -> list[str]:
         "## Paired with upstream",
         "",
         "The implementation and upstream torch FSDP2 in one task, their steps interleaved round by "
-        "round (their order swapped every other round), so machine load hits both alike. "
+        "round (their order swapped every other round), so machine load hits both alike; the "
+        "rounds come in blocks, both models built afresh before each block (fresh allocations: "
+        "where buffers land moves a byte-bound step by a few per cent). "
         "`vs upstream` = median / upstream's median; `per round` = the median of the per-round "
-        "ratios (the implementation's time / upstream's in the same round), with a "
-        f"{CONFIDENCE:.0%} distribution-free interval for it (order statistics, see "
-        "`perf/report.py::median_ci`) over `rounds` rounds.",
+        "ratios (the implementation's time / upstream's in the same round); `per block` = the "
+        "median of the blocks' medians of those, with a "
+        f"{CONFIDENCE:.0%} distribution-free interval for it over the blocks (order statistics, "
+        "see `perf/report.py::median_ci`); `blocks × rounds` = blocks and rounds in all.",
         "",
         "| world size | shapes | path | impl | ms | upstream ms | vs upstream | per round | "
-        f"{CONFIDENCE:.0%} CI | rounds | spread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"per block | {CONFIDENCE:.0%} CI | blocks × rounds | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(recs, key=lambda r: (r["world_size"], r["path"], _cfg(r), r["impl"])):
         st = _paired_stats(r)
         out.append(
             f"| {r['world_size']} | {_cfg_name(_cfg(r))} | {PAIRED_PATHS[r['path']]} | {r['impl']} "
             f"| {_ms(r['median_s'])} | {_ms(r['floor_median_s'])} | {_x(r['ratio_to_floor'])} "
-            f"| {_x(st['median'])} | {_ci(st['ci'])} | {st['n']} | {r['iqr_rel']:.0%} |"
+            f"| {_x(st['round_median'])} | {_x(st['median'])} | {_ci(st['ci'])} "
+            f"| {st['blocks']} × {st['n']} | {r['iqr_rel']:.0%} |"
         )
     return out + [""]
 
@@ -388,9 +423,12 @@ def paired_verdict(recs: list[dict], confidence: float = CONFIDENCE) -> tuple[st
     ``recs``. The intervals hold jointly at ``confidence`` (Bonferroni: each case's at
     ``1 - (1 - confidence) / m`` for ``m`` cases), so that a target at true parity in every case
     is called "not met" with probability at most ``(1 - confidence) / 2``, however many cases it
-    has (one-sided). **not met**: some case is significantly slower (its interval's lower bound
-    is above 1.00); **met**: no case is, and every case has an interval; **not judged**: no case
-    is significantly slower but some case has too few rounds for an interval."""
+    has (one-sided). The intervals are over each case's block medians (``median_ci``: blocks
+    over fresh allocations are the independent draws, rounds within a block are not).
+    **not met**: some case is significantly slower (its interval's lower bound is above 1.00);
+    **met**: no case is, and every case has an interval; **not judged**: no case is
+    significantly slower but some case has too few blocks for an interval (fewer than
+    ``min_blocks(len(recs))``, or none: a record made before blocks)."""
     per_case = 1 - (1 - confidence) / max(len(recs), 1)
     cases = [
         {"name": f"ws{r['world_size']} {_cfg_name(_cfg(r))}", "point": r.get("ratio_to_floor"),
@@ -427,7 +465,10 @@ def _paired_targets(ix: Index) -> list[str]:
         if slower:
             why = f"significantly slower on {', '.join(slower)}"
         elif unjudged:
-            why = f"too few per-round ratios for an interval on {', '.join(unjudged)}"
+            why = (
+                f"too few blocks for a joint interval on {', '.join(unjudged)} "
+                f"(needs {min_blocks(len(cases))})"
+            )
         else:
             why = "no case significantly slower" + (
                 f"; significantly faster in {len(faster)}/{len(cases)} cases" if faster else ""
@@ -435,10 +476,11 @@ def _paired_targets(ix: Index) -> list[str]:
         out.append(
             f"* {PAIRED_PATHS[path]} ≤ 1.00× torch-fsdp2 (paired rounds), ws {where}: "
             f"**{verdict}** ({why}; joint {CONFIDENCE:.0%} intervals, each case's at "
-            f"{per_case:.2%}). Per case: ratio of medians / median per-round ratio "
-            "[interval], rounds: "
+            f"{per_case:.2%}, over blocks of fresh allocations). Per case: ratio of medians / "
+            "median of block medians [interval], blocks × rounds: "
             + "; ".join(
-                f"{c['name']} {_x(c['point'])} / {_x(c['median'])} {_ci(c['ci'])}, {c['n']}"
+                f"{c['name']} {_x(c['point'])} / {_x(c['median'])} {_ci(c['ci'])}, "
+                f"{c['blocks']} × {c['n']}"
                 for c in cases
             )
         )
@@ -552,8 +594,12 @@ def _targets(ix: Index) -> list[str]:
         "implementations come from separate tasks and carry the machine's noise. The paired "
         "targets (same task, alternating rounds) are judged statistically instead: **met** "
         "means no case is significantly slower than upstream, i.e. in every case the "
-        "interval for the median per-round ratio reaches down to 1.00× or below (intervals "
-        f"joint at {CONFIDENCE:.0%} over the target's cases), **not met** that some case's "
+        "interval for the median ratio reaches down to 1.00× or below (intervals "
+        f"joint at {CONFIDENCE:.0%} over the target's cases, over blocks of rounds each on "
+        "freshly built models, so that where the buffers land in memory varies as it does "
+        "between runs; with the fewest blocks that allow the joint level the interval is the "
+        "blocks' [min, max], so a case is significantly slower when all of its blocks are), "
+        "**not met** that some case's "
         "interval lies wholly above 1.00×; a wide interval means that case could not be told "
         "apart from parity either way, so read the intervals with the verdict. On CPU/gloo the "
         "copies of the path and the collective share the same cores, so the all-gather "

@@ -17,7 +17,7 @@ In quick mode there is no warm-up and one round: a correctness run, not a measur
 With ``alternate=True`` every other round runs the steps in reverse order, so that no step is
 always first (or always last) in its round: a pair of steps compared round by round (the paired
 area's per-round ratios) then carries no fixed position effect, and each step follows the other
-and itself equally often.
+and itself equally often (the rounds count is then made even).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def measure(
     agreed = torch.tensor([per_round], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     rounds = min(max_rounds, max(min_rounds, math.ceil(budget_s / max(agreed.item(), 1e-9))))
+    rounds += alternate and rounds % 2  # alternating: as many rounds in each order
     times: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps.items())
     for i in range(rounds):

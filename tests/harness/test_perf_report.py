@@ -1,9 +1,10 @@
 """The perf report's paired statistics: the median's interval and the "≤ 1.00× upstream" verdict.
 
-Synthetic per-round times go through the suite's own record builder (``perf.conftest.make_record``,
-which derives the per-round ratios) and the report (``perf.report.render``). Every expected verdict
-is derived from the generated data by a one-sided sign test written here (the dual of an
-order-statistics interval), never read off the report.
+Synthetic per-round times, in blocks as the paired body measures them (both models rebuilt before
+each block), go through the suite's own record builder (``perf.conftest.make_record``, which
+derives the per-round ratios and the block medians) and the report (``perf.report.render``). Every
+expected verdict is derived from the generated data by a one-sided sign test on the block medians
+written here (the dual of an order-statistics interval), never read off the report.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import numpy as np
 import pytest
 
 from perf import report
-from perf.conftest import Case, TaskResult, make_record
+from perf._bodies import paired
+from perf.conftest import FULL_SIZES, STATE_DICT_SMALL_MAX_MB, Case, TaskResult, make_record
 
 CONFIDENCE = 0.95
-UNSHARD_CFGS = [("large", 1.0), ("large", 64.0), ("small", 1.0), ("uneven", 1.0), ("uneven", 32.0)]
+UNSHARD_CFGS = [
+    ("large", 1.0), ("large", 8.0), ("large", 64.0), ("small", 1.0), ("uneven", 1.0),
+    ("uneven", 32.0),
+]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the interval
@@ -30,7 +35,7 @@ def test_median_interval_needs_six_values_for_95_percent():
     assert report.median_ci([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
 
 
-@pytest.mark.parametrize("n", [6, 11, 16, 40, 150])
+@pytest.mark.parametrize("n", [6, 9, 11, 16, 40])
 def test_median_interval_covers_at_least_the_stated_level_but_is_not_trivial(n):
     """Over many draws of a skewed distribution with a known median, the interval covers that
     median at least 95% of the time (within simulation error) and, once ``[min, max]`` is no
@@ -51,10 +56,35 @@ def test_median_interval_covers_at_least_the_stated_level_but_is_not_trivial(n):
         assert coverage < 0.999, f"n={n}: coverage {coverage:.4f}: interval far too wide"
 
 
+@pytest.mark.parametrize("cases", [1, 6, 12])
+def test_min_blocks_is_the_fewest_with_a_joint_interval(cases):
+    """[min, max] of n values misses the median with probability 2 / 2**n; at the joint level
+    each case may miss with (1 - 95%) / cases: 6 blocks for one case, 8 for 6, 9 for 12."""
+    level = 1 - (1 - CONFIDENCE) / cases
+    n = report.min_blocks(cases)
+    assert 2 / 2**n <= (1 - CONFIDENCE) / cases < 2 / 2 ** (n - 1)
+    assert report.median_ci(list(range(n)), level) == (0, n - 1)
+    assert report.median_ci(list(range(n - 1)), level) is None
+
+
+def test_the_paired_body_runs_enough_blocks_for_its_largest_target():
+    """The FULL state-dict target spans world sizes 2 and 4 over every paired shape
+    configuration (the many-small set only up to the state-dict cap)."""
+    configs = sum(
+        1
+        for shape_set, sizes in FULL_SIZES.items()
+        for size in sizes
+        if not (shape_set == "small" and size > STATE_DICT_SMALL_MAX_MB)
+    )
+    largest = max(len(ws) for _, ws in report.PAIRED_TARGETS) * configs
+    assert report.min_blocks(largest) <= paired.BLOCKS
+
+
 # ------------------------------------------------------------------------------ the verdict
-def _records(ratios_per_case, *, ws=1, path="unshard", rng_seed=0):
-    """Paired records as the suite makes them: upstream's per-round times carry a shared load
-    factor (heavy-tailed), the implementation's are upstream's times the given ratios."""
+def _records(blocks_per_case, *, ws=1, path="unshard", rng_seed=0):
+    """Paired records as the suite makes them: per case a list of blocks, each a list of
+    per-round ratios; upstream's per-round times carry a shared load factor (heavy-tailed), the
+    implementation's are upstream's times the given ratios."""
     rng = np.random.default_rng(rng_seed)
     perf = SimpleNamespace(
         impls={"ref": SimpleNamespace(version="test")},
@@ -63,26 +93,36 @@ def _records(ratios_per_case, *, ws=1, path="unshard", rng_seed=0):
         quick=False,
     )
     records = []
-    for (shape_set, size), ratios in zip(UNSHARD_CFGS, ratios_per_case):
+    for (shape_set, size), blocks in zip(UNSHARD_CFGS, blocks_per_case):
+        ratios = [r for b in blocks for r in b]
         upstream = 0.010 * rng.lognormal(0.0, 0.5, size=len(ratios))  # load varies per round
         mine = upstream * np.asarray(ratios)
         case = Case("paired", ws, "reference", "ref", "fsdp2", shape_set, size, path,
                     f"{path}_upstream")  # fmt: skip
-        result = TaskResult(times={path: list(mine), f"{path}_upstream": list(upstream)})
+        result = TaskResult(
+            times={path: list(mine), f"{path}_upstream": list(upstream)},
+            info={"round_blocks": {path: [len(b) for b in blocks]}},
+        )
         records.append(make_record(case, result, perf))
     return records
 
 
-def _sign_test_slower(ratios, cases: int) -> bool:
-    """One-sided sign test of "median ratio <= 1" at level (1 - 95%) / (2 * cases): too few
-    rounds at or below 1.00 for a fair coin (Bonferroni over the target's cases)."""
-    n, at_or_below = len(ratios), sum(r <= 1.0 for r in ratios)
+def _sign_test_slower(values, cases: int) -> bool:
+    """One-sided sign test of "median <= 1" at level (1 - 95%) / (2 * cases): too few values at
+    or below 1.00 for a fair coin (Bonferroni over the target's cases)."""
+    n, at_or_below = len(values), sum(v <= 1.0 for v in values)
     p_value = sum(math.comb(n, j) for j in range(at_or_below + 1)) / 2**n
     return p_value <= (1 - CONFIDENCE) / (2 * cases)
 
 
-def _expected(ratio_sets) -> str:
-    return "not met" if any(_sign_test_slower(r, len(ratio_sets)) for r in ratio_sets) else "met"
+def _block_medians(blocks) -> list[float]:
+    return [statistics.median(b) for b in blocks]
+
+
+def _expected(block_sets) -> str:
+    cases = len(block_sets)
+    slower = any(_sign_test_slower(_block_medians(b), cases) for b in block_sets)
+    return "not met" if slower else "met"
 
 
 def _verdict(records) -> str:
@@ -93,31 +133,45 @@ def _verdict(records) -> str:
     return found.group(1)
 
 
-def _noisy(rng, centre, rounds, cases, noise=0.05):
-    return [list(centre[c] * (1 + noise * rng.standard_normal(rounds))) for c in range(cases)]
+def _blocked(rng, centres, blocks=paired.BLOCKS, rounds=12, between=0.03, within=0.002):
+    """Per case: ``blocks`` blocks of ``rounds`` ratios; each block's level is the case's centre
+    times a factor uniform in ±``between`` (the placement draw), each round that times a
+    ``within`` noise."""
+    out = []
+    for centre in centres:
+        levels = centre * (1 + rng.uniform(-between, between, size=blocks))
+        out.append([list(lv * (1 + within * rng.standard_normal(rounds))) for lv in levels])
+    return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_clearly_slower_is_not_met_and_parity_is_met(seed):
+def test_block_variation_around_parity_is_met_and_a_clear_slowdown_is_not(seed):
+    """Within-block noise tiny, block levels ±3% around 1.00: every block's rounds agree with
+    each other, so an interval over rounds would be narrow and could land wholly above 1.00;
+    over blocks it straddles parity. A 1.2× slowdown lies above 1.00 in every block."""
     rng = np.random.default_rng(100 + seed)
-    cases, rounds = len(UNSHARD_CFGS), 20
-    slower = _noisy(rng, [1.2] * cases, rounds, cases)
-    parity = _noisy(rng, [1.0] * cases, rounds, cases)
-    # what the data says (sign test); at 1.2x with 5% noise no round comes near 1.00
-    assert _expected(slower) == "not met"
-    assert _verdict(_records(slower, rng_seed=seed)) == "not met"
-    assert _verdict(_records(parity, rng_seed=seed)) == _expected(parity)
-
-
-def test_parity_is_met_whatever_the_load():
-    """At parity the round ratios straddle 1.00, so no case is significantly slower: met, even
-    though the per-round times themselves vary several-fold with the load."""
-    rng = np.random.default_rng(7)
     cases = len(UNSHARD_CFGS)
-    parity = _noisy(rng, [1.0] * cases, 30, cases)
-    expected = _expected(parity)
-    assert expected == "met", "the generated parity data is not at parity by the sign test"
-    assert _verdict(_records(parity)) == expected
+    parity = _blocked(rng, [1.0] * cases)
+    slower = _blocked(rng, [1.2] * cases)
+    assert _expected(parity) == "met"
+    assert _expected(slower) == "not met"
+    assert _verdict(_records(parity, rng_seed=seed)) == "met"
+    assert _verdict(_records(slower, rng_seed=seed)) == "not met"
+
+
+def test_the_verdict_counts_blocks_not_rounds():
+    """Six blocks of nine at 1.03 and three at 0.97, 20 quiet rounds each: on rounds alone
+    (120 of 180 above 1.00) a sign test calls the case slower; on blocks (3 of 9 at or below
+    1.00) it does not, and blocks are the independent draws: met."""
+    rng = np.random.default_rng(5)
+    cases = len(UNSHARD_CFGS)
+    levels = [1.03] * 6 + [0.97] * 3
+    lopsided = [list(lv * (1 + 0.002 * rng.standard_normal(20))) for lv in levels]
+    block_sets = [lopsided] + _blocked(rng, [1.0] * (cases - 1))
+    rounds = [r for b in lopsided for r in b]
+    assert _sign_test_slower(rounds, cases)  # what an interval over rounds would say
+    assert _expected(block_sets) == "met"
+    assert _verdict(_records(block_sets)) == "met"
 
 
 def test_one_slower_case_among_parity_is_named():
@@ -125,48 +179,65 @@ def test_one_slower_case_among_parity_is_named():
     cases = len(UNSHARD_CFGS)
     centre = [1.0] * cases
     centre[3] = 1.25
-    ratio_sets = _noisy(rng, centre, 24, cases)
-    slow = [i for i, r in enumerate(ratio_sets) if _sign_test_slower(r, cases)]
+    block_sets = _blocked(rng, centre, within=0.05)
+    slow = [i for i, b in enumerate(block_sets) if _sign_test_slower(_block_medians(b), cases)]
     assert slow == [3]
-    text = report.render(_records(ratio_sets), {})
+    text = report.render(_records(block_sets), {})
     line = next(ln for ln in text.splitlines() if "unshard+reshard ≤ 1.00×" in ln)
     assert "**not met**" in line
     assert f"significantly slower on ws1 {report._cfg_name(UNSHARD_CFGS[3])}" in line
 
 
-def test_too_few_rounds_is_not_judged_and_the_table_shows_rounds_and_intervals():
+def test_too_few_blocks_is_not_judged_and_the_table_shows_blocks_and_intervals():
     rng = np.random.default_rng(3)
     cases = len(UNSHARD_CFGS)
-    ratio_sets = _noisy(rng, [1.0] * cases, 16, cases)
-    ratio_sets[0] = ratio_sets[0][:4]  # four rounds: no 95% interval exists
-    records = _records(ratio_sets)
+    block_sets = _blocked(rng, [1.0] * cases, within=0.05)
+    block_sets[0] = block_sets[0][: report.min_blocks(cases) - 1]  # one block short
+    records = _records(block_sets)
     assert _verdict(records) == "not judged"
     text = report.render(records, {})
-    for rec, ratios in zip(records, ratio_sets):
-        assert rec["rounds"] == len(ratios)
-        lo_hi = report.median_ci(rec["round_ratios"])
+    for rec, blocks in zip(records, block_sets):
+        medians = _block_medians(blocks)
+        rounds = sum(len(b) for b in blocks)
+        assert rec["rounds"] == rounds
+        assert rec["block_ratios"] == pytest.approx(medians)
+        lo_hi = report.median_ci(medians)  # the table's interval: 95% for the case alone
         row = next(ln for ln in text.splitlines()
                    if ln.startswith("| 1 |") and report._cfg_name(report._cfg(rec)) in ln)  # fmt: skip
-        assert f"| {statistics.median(ratios):.2f}× |" in row
-        assert f"| {len(ratios)} |" in row
+        assert f"| {statistics.median(medians):.2f}× |" in row
+        assert f"| {len(blocks)} × {rounds} |" in row
         if lo_hi is not None:
             assert f"[{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]" in row
 
 
-def test_round_ratios_pair_each_round_with_the_same_rounds_floor():
-    ratios = [1.0, 2.0, 0.5, 1.5, 1.0, 3.0]
-    (rec,) = _records([ratios])
-    assert rec["round_ratios"] == pytest.approx(ratios)
+def test_a_record_without_blocks_is_not_judged():
+    """Records made before blocks (rounds on one allocation) carry no block medians: their
+    rounds say nothing about the placement, so the target is not judged on them."""
+    rng = np.random.default_rng(4)
+    records = _records(_blocked(rng, [1.0] * len(UNSHARD_CFGS)))
+    for rec in records:
+        del rec["block_ratios"], rec["round_blocks"]
+    assert _verdict(records) == "not judged"
+
+
+def test_ratios_pair_each_round_with_the_same_rounds_floor_and_blocks_take_medians():
+    blocks = [[1.0, 2.0, 0.5], [1.5, 1.0, 3.0, 0.9]]
+    (rec,) = _records([blocks])
+    assert rec["round_ratios"] == pytest.approx([r for b in blocks for r in b])
+    assert rec["round_blocks"] == [3, 4]
+    assert rec["block_ratios"] == pytest.approx([1.0, 1.25])
 
 
 def test_the_intervals_are_joint_over_the_targets_cases():
-    """A case with 3 of 16 rounds at or below 1.00 would be significantly slower on its own (a
-    one-sided sign test gives p = 697 / 65536 ≈ 0.011 < 0.025) but not once the level is shared
-    by the target's five cases (0.011 > 0.005): the target is met."""
+    """A case with 1 of 9 blocks at or below 1.00 would be significantly slower on its own (a
+    one-sided sign test gives p = 10 / 512 ≈ 0.020 < 0.025) but not once the level is shared by
+    the target's six cases (0.020 > 0.025 / 6): the target is met."""
+    rng = np.random.default_rng(8)
     cases = len(UNSHARD_CFGS)
-    borderline = [0.97, 0.98, 0.99] + [1.01 + 0.01 * i for i in range(13)]
-    parity = [1.0 + 0.01 * ((-1) ** i) * (i % 7) for i in range(16)]
-    ratio_sets = [borderline] + [parity] * (cases - 1)
-    assert _sign_test_slower(borderline, 1) and not _sign_test_slower(borderline, cases)
-    assert _expected(ratio_sets) == "met"
-    assert _verdict(_records(ratio_sets)) == "met"
+    levels = [0.99] + [1.01 + 0.01 * i for i in range(paired.BLOCKS - 1)]
+    borderline = [list(lv * (1 + 0.001 * rng.standard_normal(10))) for lv in levels]
+    block_sets = [borderline] + _blocked(rng, [1.0] * (cases - 1))
+    medians = _block_medians(borderline)
+    assert _sign_test_slower(medians, 1) and not _sign_test_slower(medians, cases)
+    assert _expected(block_sets) == "met"
+    assert _verdict(_records(block_sets)) == "met"
