@@ -99,4 +99,4 @@ def perf(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "reference", "conformance", "perf", "tests", "noxfile.py")
+    session.run("ruff", "check", "reference", "conformance", "perf", "tests", "tools", "noxfile.py")
