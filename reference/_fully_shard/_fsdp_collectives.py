@@ -19,14 +19,14 @@ Each unsharded gradient is padded on dim 0 to a multiple of ``world_size`` and c
 ``world_size`` row chunks; row ``r`` of the reduce-scatter input concatenates every gradient's
 chunk ``r`` (``torch._chunk_cat``), so rank ``r`` receives its shards in the padded layout of
 ``_sharded_param_data``; a zero-numel gradient has no elements in any row, so it is left out of
-that input (``_chunk_cat`` rejects empty tensors) and its shard is an empty tensor. Averaging over the data-parallel size ``N`` (spec P6): fp32/bf16 use
-``AVG`` (``SUM`` when ``N`` is 1); other dtypes (fp16) risk overflow, so they ``SUM`` between a
-pre-divide by ``pre`` (doubled from 1 while ``N % pre == 0 and N / pre > pre``) and a
-post-divide by ``N / pre``. A custom ``gradient_divide_factor`` ``f`` replaces ``N``; for
-fp32/bf16 it uses ``AVG`` when ``f`` is the reduce-scatter size, else upstream's
-``PREMUL_SUM(1 / f)``, which the reference spells as a divide by ``f`` before a ``SUM`` (the same
-sum, on backends without ``PREMUL_SUM`` such as gloo). With one rank the reduce-scatter is
-skipped; the divides alone apply.
+that input (``_chunk_cat`` rejects empty tensors) and its shard is an empty tensor. Averaging over
+the data-parallel size ``N`` (spec P6): fp32/bf16 use ``AVG`` (``SUM`` when ``N`` is 1); other
+dtypes (fp16) risk overflow, so they ``SUM`` between a pre-divide by ``pre`` (doubled from 1 while
+``N % pre == 0 and N / pre > pre``) and a post-divide by ``N / pre``. A custom
+``gradient_divide_factor`` ``f`` replaces ``N``; for fp32/bf16 it uses ``AVG`` when ``f`` is the
+reduce-scatter size, else upstream's ``PREMUL_SUM(1 / f)``, which the reference spells as a divide
+by ``f`` before a ``SUM`` (the same sum, on backends without ``PREMUL_SUM`` such as gloo). With one
+rank the reduce-scatter is skipped; the divides alone apply.
 """
 
 from __future__ import annotations
