@@ -141,17 +141,23 @@ def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     return full_params(ctx, model, impl)
 
 
-def saved_values(
-    ctx, example: dict, model, oracle, restore_dtype: bool = True
-) -> dict[str, torch.Tensor]:
+def saved_values(ctx, example: dict, model, oracle) -> dict[str, torch.Tensor]:
     """What a state dict of the trained sharded ``model`` must hold, key by key (tied aliases
-    included): its parameters (gathered, independent of the state-dict code) and the oracle's
-    persistent buffers, in their own dtype; with FSDP1 buffer mixed precision, the module's
-    buffers were cast to ``buffer_dtype``, so the saved fp32 value is the rounded one (S12), except
-    in batch norms that a wrap policy made fp32 units of their own (W11); without
-    ``restore_dtype`` (a LOCAL dict, whose hook leaves buffers alone) such a buffer is saved as the
-    module holds it, in ``buffer_dtype``."""
+    included): its parameters (gathered, independent of the state-dict code) and
+    :func:`saved_buffers`."""
     params = gathered(ctx, model)
+    first, out = {}, {}
+    for name, p in oracle.named_parameters(remove_duplicate=False):
+        out[name] = params[first.setdefault(id(p), name)]
+    return {**out, **saved_buffers(example, oracle)}
+
+
+def saved_buffers(example: dict, oracle, restore_dtype: bool = True) -> dict[str, torch.Tensor]:
+    """The oracle's persistent buffers as a state dict of the sharded model holds them, in their
+    own dtype; with FSDP1 buffer mixed precision, the module's buffers were cast to
+    ``buffer_dtype``, so the saved fp32 value is the rounded one (S12), except in batch norms that a
+    wrap policy made fp32 units of their own (W11); without ``restore_dtype`` (a LOCAL dict, whose
+    hook leaves buffers alone) such a buffer is saved as the module holds it, in ``buffer_dtype``."""
     mp = example.get("options", {}).get("mixed_precision") or {}
     low = getattr(torch, mp["buffer_dtype"]) if mp.get("buffer_dtype") else None
     fp32_units = (
@@ -159,11 +165,10 @@ def saved_values(
         if example["wrap"]
         else set()
     )
-    first, out = {}, {}
-    for name, p in oracle.named_parameters(remove_duplicate=False):
-        out[name] = params[first.setdefault(id(p), name)]
+    params = {n for n, _ in oracle.named_parameters(remove_duplicate=False)}
+    out = {}
     for name, value in expected_state_dict(oracle).items():
-        if name in out:
+        if name in params:
             continue
         cast = low and value.is_floating_point() and name.rpartition(".")[0] not in fp32_units
         if cast:
@@ -356,21 +361,20 @@ def local_expected(ctx, example: dict, oracle, values: dict) -> dict:
     return out
 
 
-def assert_local_dict(ctx, sd: dict, expected: dict, flats: dict) -> None:
-    """``sd`` (a LOCAL dict) has one ``_flat_param`` key per unit that manages parameters, each a
-    1-D ShardedTensor of the unpadded numel with this rank's elements at offset ``r*ceil(N/ws)`` (none
-    on a pure-padding rank), and the persistent buffers of ``expected`` (its non-parameter keys)."""
+def assert_local_dict(ctx, sd: dict, buffers: dict, flats: dict) -> None:
+    """``sd`` (a LOCAL dict) has one ``_flat_param`` key per unit that manages parameters (``flats``,
+    from :func:`local_expected`), each a 1-D ShardedTensor of the unpadded numel with this rank's
+    elements at offset ``r*ceil(N/ws)`` (none on a pure-padding rank), and ``buffers``."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    buffers = {k: v for k, v in expected.items() if k not in flats["params"]}
-    want = set(flats["local"]) | set(buffers)
+    want = set(flats) | set(buffers)
     assert set(sd) == want, (
         f"{ctx.where()} local state-dict keys: missing {sorted(want - set(sd))}, "
         f"unexpected {sorted(set(sd) - want)}"
     )
     for name, value in buffers.items():
         assert_entry(ctx, name, sd[name], value, full=True)
-    for key, (numel, local) in flats["local"].items():
+    for key, (numel, local) in flats.items():
         got = sd[key]
         assert isinstance(got, ShardedTensor), (
             f"{ctx.where()} {key}: {type(got).__name__}, expected a ShardedTensor"
@@ -456,11 +460,9 @@ def state_dict_round_trip(ctx, example, kind):
     expected = saved_values(ctx, example, model, oracle)
     if kind == "local" and ctx.world_size > 1:  # at ws 1 FSDP1 keeps every kind FULL (S8)
         params = dict(oracle.named_parameters())  # first names only: a flat parameter's members
-        flats = {"params": dict(oracle.named_parameters(remove_duplicate=False))}
-        flats["local"] = local_expected(ctx, example, oracle, {f: expected[f] for f in params})
+        flats = local_expected(ctx, example, oracle, {f: expected[f] for f in params})
         sd = ctx.impl.state_dict(model, impl_kind)
-        held = saved_values(ctx, example, model, oracle, restore_dtype=False)
-        assert_local_dict(ctx, sd, held, flats)
+        assert_local_dict(ctx, sd, saved_buffers(example, oracle, restore_dtype=False), flats)
         fresh, _ = shard(ctx, example, salt=1)
         ctx.impl.load_state_dict(fresh, sd, impl_kind)
         assert_restored(ctx, fresh, expected, "after loading the local state dict")
