@@ -114,10 +114,19 @@ def leaf(draw, ws: int, zero: bool) -> dict:
             "bias": draw(st.booleans()),
         }
     if kind == "param":
-        shape = draw(st.lists(dims(ws, zero=zero), min_size=1, max_size=3))
-        buffer = draw(st.sampled_from([None, "persistent", "non-persistent"]))
-        return {"kind": kind, "shape": shape, "buffer": buffer}
+        return draw(param_leaf(ws, zero))
     return {"kind": kind}
+
+
+@st.composite
+def param_leaf(draw, ws: int, zero: bool, force_zero: bool = False) -> dict:
+    """A ``param`` leaf: a parameter of 1-3 dims (0 among them when ``zero``; one of them set to 0,
+    so numel 0, when ``force_zero``), maybe with a buffer."""
+    shape = draw(st.lists(dims(ws, zero=zero), min_size=1, max_size=3))
+    if force_zero:
+        shape[draw(st.integers(0, len(shape) - 1))] = 0
+    buffer = draw(st.sampled_from([None, "persistent", "non-persistent"]))
+    return {"kind": "param", "shape": shape, "buffer": buffer}
 
 
 @st.composite
@@ -138,17 +147,8 @@ def tree(draw, ws: int, depth: int, zero: bool) -> dict:
 ZERO_SHARE = [True, True, False, False, False]
 
 
-@st.composite
-def zero_leaf(draw, ws: int) -> dict:
-    """A ``param`` leaf with at least one zero dim (numel 0)."""
-    shape = draw(st.lists(dims(ws, zero=True), min_size=1, max_size=3))
-    shape[draw(st.integers(0, len(shape) - 1))] = 0
-    buffer = draw(st.sampled_from([None, "persistent", "non-persistent"]))
-    return {"kind": "param", "shape": shape, "buffer": buffer}
-
-
 def _insert_zero_leaf(draw, node: dict, ws: int) -> None:
-    """Put a :func:`zero_leaf` at a drawn position of a drawn ``seq`` node of the tree."""
+    """Put a numel-0 :func:`param_leaf` at a drawn position of a drawn ``seq`` node of the tree."""
     seqs, todo = [], [node]
     while todo:
         n = todo.pop()
@@ -156,7 +156,7 @@ def _insert_zero_leaf(draw, node: dict, ws: int) -> None:
         todo += [c for c in n["children"] if c["kind"] == "seq"]
     target = draw(st.sampled_from(seqs))
     at = draw(st.integers(0, len(target["children"])))
-    target["children"].insert(at, draw(zero_leaf(ws)))
+    target["children"].insert(at, draw(param_leaf(ws, zero=True, force_zero=True)))
 
 
 def _tie_candidates(model) -> list[tuple[str, str]]:
@@ -193,14 +193,13 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         if base.FLAT_PARAM in caps:
             mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
     upstream = impl.name in UPSTREAM
-    zero = ZERO_SIZE in features and not (
+    zero = ZERO_SIZE in features and not (  # see the module docstring
         upstream
-        and TRAINING in features
-        and base.PER_PARAM_DIM0 in caps
-        or upstream
-        and mp
-        and base.FLAT_PARAM in caps
-    )  # see the module docstring
+        and (
+            (TRAINING in features and base.PER_PARAM_DIM0 in caps)
+            or (mp and base.FLAT_PARAM in caps)
+        )
+    )
     example = {
         "seed": draw(st.integers(0, 2**16)),
         "width": draw(dims(ws)),
