@@ -70,9 +70,14 @@ UNITS = ("lin1", "lin2", "")  # children first, root last
 PLAN = [(fqn, {}) for fqn in UNITS]
 
 
-def build(ctx, even=False, **options):
+def unsharded_net(ctx, even=False) -> nn.Module:
+    """The ``Net`` that :func:`build` shards (same seed), unsharded."""
     ctx.seed(0)
-    model = Net(even).to(ctx.device)
+    return Net(even).to(ctx.device)
+
+
+def build(ctx, even=False, **options):
+    model = unsharded_net(ctx, even)
     originals = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
     model = ctx.impl.shard(model, ctx, plan=PLAN, **options)
     return model, originals
@@ -360,8 +365,7 @@ def optimizer_after_no_grad_forward(ctx, name):
             )
 
     opt = torch.optim.SGD(model.parameters(), lr=STEP_LR)
-    ctx.seed(0)
-    oracle = Net(RAF_CASES[name].get("even", False)).to(ctx.device)
+    oracle = unsharded_net(ctx, RAF_CASES[name].get("even", False))
     oopt = torch.optim.SGD(oracle.parameters(), lr=STEP_LR)
     for net, o in ((model, opt), (oracle, oopt)):
         net(batch(ctx)).sum().backward()
