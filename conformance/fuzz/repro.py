@@ -2,10 +2,11 @@
 
 The script spawns the world size's ranks itself (``torch.multiprocessing`` + a file rendezvous on a
 fresh temporary file: no free port is picked and released, so no other process can take it between
-the pick and the ranks' connect), builds the implementation in every rank as the run did, and calls the fuzz check
-on the shrunk example; a rank's assertion ends the script with exit code 1 and that rank's
-traceback, exactly as in the run. It needs this project importable (run it from the checkout, or
-with the project installed) and the implementation's adapter importable, as the run did.
+the pick and the ranks' connect), builds the implementation in every rank as the run did, and calls
+the fuzz check on the shrunk example; a rank's assertion ends the script with exit code 1 and that
+rank's traceback, exactly as in the run. It needs this project importable (run it from the
+checkout, or with the project installed) and the implementation's adapter importable, as the run
+did.
 """
 
 from __future__ import annotations

@@ -13,21 +13,21 @@ would hand whichever step follows the heavy one a cold cache. The two steps swap
 round (``measure(alternate=True)``), so neither always runs first.
 
 [Note: blocks — replicating over allocations]
-Where a model's buffers land in memory is fixed for the model's lifetime, and it moves a
-byte-bound step's time by a few per cent either way (cache-set and page placement: the same
-``uneven`` 32 MiB unshard measured 1.02×, 1.03× and 0.94× upstream in three fresh processes
-doing identical copies). Rounds on one pair of models therefore all share one draw of that
-placement, and an interval over rounds is too narrow: one allocation decides the verdict. So the
-rounds are split into ``BLOCKS`` blocks, and before each block both models are built afresh (fresh
-modules holding copies of the originals, fresh ``fully_shard``; the previous block's models freed
-first), behind a spacer tensor whose size differs per block and in an order that alternates per
-block, so that the allocator does not hand back the same addresses. Each block is one draw of the placement; the report
-judges a case by its block medians (the median per-round ratio within each block, see
-``perf/report.py::median_ci``). ``BLOCKS`` is the fewest blocks for which a 95%
-distribution-free interval exists jointly over the paired targets' largest case count (12:
-the FULL state dict at world sizes 2 and 4 over six shape configurations), i.e.
-``report.min_blocks(12)``. The first build is checked in full; a rebuild compares one parameter
-after unshard (the construction path is the same, the check only guards the wiring).
+Where a model's buffers land in memory is fixed for the model's lifetime, and it moves a byte-bound
+step's time by a few per cent either way (cache-set and page placement: the same ``uneven`` 32 MiB
+unshard measured 1.02×, 1.03× and 0.94× upstream in three fresh processes doing identical copies).
+Rounds on one pair of models therefore all share one draw of that placement, and an interval over
+rounds is too narrow: one allocation decides the verdict. So the rounds are split into ``BLOCKS``
+blocks, and before each block both models are built afresh (fresh modules holding copies of the
+originals, fresh ``fully_shard``; the previous block's models freed first), behind a spacer tensor
+whose size differs per block and in an order that alternates per block, so that the allocator does
+not hand back the same addresses. Each block is one draw of the placement; the report judges a case
+by its block medians (the median per-round ratio within each block, see
+``perf/report.py::median_ci``). ``BLOCKS`` is the fewest blocks for which a 95% distribution-free
+interval exists jointly over the paired targets' largest case count (12: the FULL state dict at
+world sizes 2 and 4 over six shape configurations), i.e. ``report.min_blocks(12)``. The first build
+is checked in full; a rebuild compares one parameter after unshard (the construction path is the
+same, the check only guards the wiring).
 
 Rounds: each block takes at least ``MIN_BLOCK_ROUNDS`` rounds (one in each order) and, when cheap,
 up to ``MAX_ROUNDS // BLOCKS`` within its share ``--budget / BLOCKS``, after its own warm-up round
