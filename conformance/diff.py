@@ -62,8 +62,10 @@ def load(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise ReportError(f"{path}: cannot read a JSON report ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
-        raise ReportError(f"{path}: not a conformance report (no 'cases' list); pass the "
-                          "conformance.json a run wrote into its --reports-dir")
+        raise ReportError(
+            f"{path}: not a conformance report (no 'cases' list); pass the "
+            "conformance.json a run wrote into its --reports-dir"
+        )
     return doc
 
 
@@ -74,14 +76,22 @@ def _first_line(message: str) -> str:
 
 
 def _versions(old: dict, new: dict) -> list[tuple[str, str, str]]:
-    out = [(key, str(old.get(key)), str(new.get(key))) for key in ("torch", "python")
-           if old.get(key) != new.get(key)]
+    out = [
+        (key, str(old.get(key)), str(new.get(key)))
+        for key in ("torch", "python")
+        if old.get(key) != new.get(key)
+    ]
     before = {i["name"]: i.get("version", "") for i in old.get("implementations", [])}
     after = {i["name"]: i.get("version", "") for i in new.get("implementations", [])}
     for name in sorted(set(before) | set(after)):
         if before.get(name) != after.get(name):
-            out.append((f"implementation {name}", before.get(name, "(absent)"),
-                        after.get(name, "(absent)")))
+            out.append(
+                (
+                    f"implementation {name}",
+                    before.get(name, "(absent)"),
+                    after.get(name, "(absent)"),
+                )
+            )
     return out
 
 
@@ -119,8 +129,10 @@ def _describe(c: Change) -> str:
 
 
 def _header(old_path, new_path, old: dict, new: dict) -> list[tuple[str, str]]:
-    return [("old", f"{old_path} ({old.get('created', '?')}, torch {old.get('torch', '?')})"),
-            ("new", f"{new_path} ({new.get('created', '?')}, torch {new.get('torch', '?')})")]
+    return [
+        ("old", f"{old_path} ({old.get('created', '?')}, torch {old.get('torch', '?')})"),
+        ("new", f"{new_path} ({new.get('created', '?')}, torch {new.get('torch', '?')})"),
+    ]
 
 
 def text(diff: Diff, header) -> str:
@@ -144,10 +156,18 @@ def markdown(diff: Diff, header) -> str:
         changes = getattr(diff, attr)
         if not changes:
             continue
-        out += ["", f"## {title} ({len(changes)})", "", "| case | implementation | old | new | message |",
-                "|---|---|---|---|---|"]
-        out += [f"| `{c.case_id}` | {c.impl} | {c.old or '—'} | {c.new or '—'} | "
-                f"{c.message.replace('|', '/')} |" for c in changes]
+        out += [
+            "",
+            f"## {title} ({len(changes)})",
+            "",
+            "| case | implementation | old | new | message |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| `{c.case_id}` | {c.impl} | {c.old or '—'} | {c.new or '—'} | "
+            f"{c.message.replace('|', '/')} |"
+            for c in changes
+        ]
     out += ["", summary(diff)]
     return "\n".join(out) + "\n"
 
@@ -161,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m conformance diff",
         description="List the cases whose outcome changed between two conformance.json reports. "
-        "Exit status 1 when there are new failures, 2 when a report cannot be read.")
+        "Exit status 1 when there are new failures, 2 when a report cannot be read.",
+    )
     parser.add_argument("old", type=Path, help="the earlier run's conformance.json")
     parser.add_argument("new", type=Path, help="the later run's conformance.json")
     parser.add_argument("--markdown", action="store_true", help="print markdown instead of text")

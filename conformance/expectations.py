@@ -125,8 +125,10 @@ class Entry:
         ):
             return f"rank {failure.rank}: expected {'|'.join(self.raises)}, got {failure.kind}"
         if self.match is not None and not self.match.search(failure.text):
-            return (f"rank {failure.rank}: pattern /{self.match.pattern}/ not found in its "
-                    f"{failure.kind} message {failure.text.strip()[:200]!r}")
+            return (
+                f"rank {failure.rank}: pattern /{self.match.pattern}/ not found in its "
+                f"{failure.kind} message {failure.text.strip()[:200]!r}"
+            )
         return None
 
     def mismatch(self, failed: list[Failure]) -> str | None:
@@ -158,7 +160,7 @@ def _signature(rest: str, where: str) -> tuple[tuple[str, ...], re.Pattern | Non
     rest = rest.lstrip()
     while True:
         if rest.startswith("raises="):
-            token, _, rest = rest[len("raises="):].partition(" ")
+            token, _, rest = rest[len("raises=") :].partition(" ")
             names = tuple(token.split("|"))
             bad = [n for n in names if not _EXC_NAME.fullmatch(n)]
             if raises:
@@ -166,27 +168,31 @@ def _signature(rest: str, where: str) -> tuple[tuple[str, ...], re.Pattern | Non
             if bad:
                 raise ExpectationsError(
                     f"{where}: 'raises={token}': give exception class names (or '{TIMEOUT}', "
-                    f"'{DIED}') joined by '|', e.g. raises=RuntimeError|ValueError")
+                    f"'{DIED}') joined by '|', e.g. raises=RuntimeError|ValueError"
+                )
             raises = names
         elif rest.startswith("match=/"):
-            end = re.search(r"(?<!\\)/(\s|$)", rest[len("match=/"):])
+            end = re.search(r"(?<!\\)/(\s|$)", rest[len("match=/") :])
             if match is not None:
                 raise ExpectationsError(f"{where}: match= given twice; use one regex with '|'")
             if end is None:
                 raise ExpectationsError(
                     f"{where}: 'match=/' needs a closing '/' followed by a space, e.g. "
-                    f"match=/storage of size 0/ (write a '/' inside it as '\\/')")
-            body = rest[len("match=/"):len("match=/") + end.start()]
-            rest = rest[len("match=/") + end.end():]
+                    f"match=/storage of size 0/ (write a '/' inside it as '\\/')"
+                )
+            body = rest[len("match=/") : len("match=/") + end.start()]
+            rest = rest[len("match=/") + end.end() :]
             try:
                 match = re.compile(body.replace("\\/", "/"))
             except re.error as exc:
                 raise ExpectationsError(
                     f"{where}: match=/{body}/ is not a valid regular expression ({exc}); fix or "
-                    f"escape it") from None
+                    f"escape it"
+                ) from None
         elif re.match(r"(raise|match)\w*=", rest):
             raise ExpectationsError(
-                f"{where}: {rest.split()[0]!r}: write raises=<ExceptionName> or match=/<regex>/")
+                f"{where}: {rest.split()[0]!r}: write raises=<ExceptionName> or match=/<regex>/"
+            )
         else:
             return raises, match, rest.strip()
         rest = rest.lstrip()
@@ -201,17 +207,20 @@ def parse(text: str, source: str) -> list[Entry]:
         where = f"{source}:{lineno}"
         if not line.isprintable():
             raise ExpectationsError(
-                f"{where}: the line holds control characters; is this an expectations file?")
+                f"{where}: the line holds control characters; is this an expectations file?"
+            )
         prefix, _, rest = line.partition(" ")
         if "::" not in prefix:
             raise ExpectationsError(
                 f"{where}: {prefix!r} is not a case-id prefix: write '<area>::<check>[ws<N>-<case>' "
-                f"('*' matches anything, e.g. '*::' for every case), then the reason")
+                f"('*' matches anything, e.g. '*::' for every case), then the reason"
+            )
         raises, match, reason = _signature(rest, where)
         if not reason:
             raise ExpectationsError(
                 f"{where}: entry {prefix!r} has no reason; write "
-                f"'<case-id prefix> [raises=<Exception>] [match=/<regex>/] <why it is expected to fail>'")
+                f"'<case-id prefix> [raises=<Exception>] [match=/<regex>/] <why it is expected to fail>'"
+            )
         entries.append(Entry(prefix, reason, where, raises, match))
     return entries
 
@@ -223,7 +232,8 @@ def read(path: Path) -> list[Entry]:
     except UnicodeDecodeError as exc:
         raise ExpectationsError(
             f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); is this an expectations "
-            f"file?") from None
+            f"file?"
+        ) from None
     except OSError as exc:
         raise ExpectationsError(f"{path}: cannot be read ({exc.strerror})") from None
     return parse(text, str(path))

@@ -64,7 +64,9 @@ def positive_int(option: str, text, *, example: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise UsageError(option, f"{text!r} is not a whole number >= 1", f"pass e.g. {option} {example}")
+        raise UsageError(
+            option, f"{text!r} is not a whole number >= 1", f"pass e.g. {option} {example}"
+        )
     return value
 
 
@@ -159,7 +161,9 @@ def writable_dir(option: str, text: str) -> Path:
         raise UsageError(option, f"{text!r} is a file", "pass a directory path") from None
     except OSError as exc:
         raise UsageError(
-            option, f"cannot write into {text!r} ({exc.strerror or exc})", "pass a writable directory"
+            option,
+            f"cannot write into {text!r} ({exc.strerror or exc})",
+            "pass a writable directory",
         ) from None
     return path
 

@@ -67,9 +67,7 @@ def pytest_addoption(parser):
         default=5.0,
         help="seconds other ranks get to finish after one rank fails (default 5)",
     )
-    g.addoption(
-        "--threads-per-rank", default=1, help="torch threads per rank (default 1)"
-    )
+    g.addoption("--threads-per-rank", default=1, help="torch threads per rank (default 1)")
     g.addoption(
         "--reports-dir", default="reports", help="where the report files go (default reports/)"
     )
@@ -144,12 +142,16 @@ class ConformanceSession:
         names = [i.name for i in self.impls.values()]
         if len(set(names)) != len(names):
             raise options.UsageError(
-                "--impl", f"two selected implementations share a name: {names}", "select one of them"
+                "--impl",
+                f"two selected implementations share a name: {names}",
+                "select one of them",
             )
         if self.torchrun:
             self.world_sizes = [int(os.environ["WORLD_SIZE"])]
         else:
-            self.world_sizes = self.options.world_sizes or devices.default_world_sizes(self.options.device)
+            self.world_sizes = self.options.world_sizes or devices.default_world_sizes(
+                self.options.device
+            )
         self.placement = {
             ws: devices.choose(ws, self.options.device, self.options.backend)
             for ws in self.world_sizes

@@ -94,7 +94,9 @@ def shorten(text: str, limit: int = MESSAGE_LIMIT) -> str:
         return text
     head = limit // 10
     dropped = len(text) - limit
-    return f"{text[:head]}\n... ({dropped} characters cut) ...\n{text[len(text) - (limit - head):]}"
+    return (
+        f"{text[:head]}\n... ({dropped} characters cut) ...\n{text[len(text) - (limit - head) :]}"
+    )
 
 
 def case_record(report, meta, outcome: str) -> dict:
@@ -196,7 +198,9 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
     tr.write_line(f"wall time {wall:.1f} s; process groups spawned: {spawns or 'none'}")
     if session.run_dir is not None:
         reports = session.options.reports_dir
-        tr.write_line(f"reports: {reports}/conformance.{{json,md,xml}} (this run: {session.run_dir})")
+        tr.write_line(
+            f"reports: {reports}/conformance.{{json,md,xml}} (this run: {session.run_dir})"
+        )
 
 
 def _environment(session, wall: float) -> dict:

@@ -81,7 +81,11 @@ def render(defined: dict[str, str], covered: dict[str, list[str]]) -> str:
         if covered.get(bid):
             cell = ", ".join(f"`{name}`" for name in covered[bid])
         else:
-            cell = "none: " + defined[bid].partition(_NO_CHECK)[2].strip() if _NO_CHECK in defined[bid] else "**none**"
+            cell = (
+                "none: " + defined[bid].partition(_NO_CHECK)[2].strip()
+                if _NO_CHECK in defined[bid]
+                else "**none**"
+            )
         rows.append(f"| {bid} | {cell} |")
     return "\n".join([BEGIN, "", *rows, "", END])
 
@@ -97,13 +101,17 @@ def problems(text: str, covered: dict[str, list[str]]) -> list[str]:
         if bid not in cited and _NO_CHECK not in defined[bid]:
             out.append(f"{bid} has no check and SPEC.md gives no reason ('{_NO_CHECK} <why>')")
         elif bid in cited and _NO_CHECK in defined[bid]:
-            out.append(f"{bid} is checked by {', '.join(covered[bid])} but SPEC.md still says "
-                       f"'{_NO_CHECK}': remove the reason")
+            out.append(
+                f"{bid} is checked by {', '.join(covered[bid])} but SPEC.md still says "
+                f"'{_NO_CHECK}': remove the reason"
+            )
     if BEGIN not in text or END not in text:
         out.append(f"SPEC.md lacks the generated section markers {BEGIN!r} ... {END!r}")
-    elif text[text.index(BEGIN):text.index(END) + len(END)] != render(defined, covered):
-        out.append("the generated id -> checks table of SPEC.md is stale: run "
-                   "`python -m conformance.spec --write`")
+    elif text[text.index(BEGIN) : text.index(END) + len(END)] != render(defined, covered):
+        out.append(
+            "the generated id -> checks table of SPEC.md is stale: run "
+            "`python -m conformance.spec --write`"
+        )
     return out
 
 
@@ -114,9 +122,15 @@ def write(path: Path = SPEC_MD) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.spec", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the generated section of SPEC.md")
-    parser.add_argument("--check", action="store_true", help="exit 1 when SPEC.md and the checks disagree")
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance.spec", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite the generated section of SPEC.md"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when SPEC.md and the checks disagree"
+    )
     args = parser.parse_args(argv)
     if args.write:
         write()

@@ -17,12 +17,24 @@ from conformance.adapters.base import NamespaceImplementation, NotSupported, Sha
 
 
 class FullyShardAdapter(NamespaceImplementation):
-    capabilities: ClassVar[frozenset[str]] = frozenset({
-        base.PER_PARAM_DIM0, base.PADDED_STORAGE, base.DTENSOR_PARAMS, base.SHARD_PLACEMENT_FN,
-        base.RESHARD_AFTER_FORWARD, base.MIXED_PRECISION, base.CPU_OFFLOAD, base.HSDP,
-        base.EXTENSIONS, base.TENSOR_PARALLEL, base.DTENSOR_STATE_DICT, base.AUTO_WRAP, base.TRAINING,
-        base.FSDP2_API,
-    })
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {
+            base.PER_PARAM_DIM0,
+            base.PADDED_STORAGE,
+            base.DTENSOR_PARAMS,
+            base.SHARD_PLACEMENT_FN,
+            base.RESHARD_AFTER_FORWARD,
+            base.MIXED_PRECISION,
+            base.CPU_OFFLOAD,
+            base.HSDP,
+            base.EXTENSIONS,
+            base.TENSOR_PARALLEL,
+            base.DTENSOR_STATE_DICT,
+            base.AUTO_WRAP,
+            base.TRAINING,
+            base.FSDP2_API,
+        }
+    )
     known_options: ClassVar[frozenset[str]] = frozenset(
         {"reshard_after_forward", "mixed_precision", "cpu_offload", "shard_placement_fn", "mesh"}
     )
@@ -39,7 +51,8 @@ class FullyShardAdapter(NamespaceImplementation):
             kwargs["mp_policy"] = self.ns.MixedPrecisionPolicy(**mp)
         if options.get("cpu_offload"):
             kwargs["offload_policy"] = self.ns.CPUOffloadPolicy(
-                pin_memory=torch.accelerator.is_available())
+                pin_memory=torch.accelerator.is_available()
+            )
         if options.get("shard_placement_fn") is not None:
             kwargs["shard_placement_fn"] = options["shard_placement_fn"]
         return kwargs
@@ -77,13 +90,17 @@ class FullyShardAdapter(NamespaceImplementation):
         views = {}
         for fqn, param in module.named_parameters():
             if not isinstance(param, DTensor):
-                raise AssertionError(f"{fqn} is registered as {type(param).__name__}, not a DTensor")
+                raise AssertionError(
+                    f"{fqn} is registered as {type(param).__name__}, not a DTensor"
+                )
             _, offsets = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements)
+                param.shape, param.device_mesh, param.placements
+            )
             fsdp_param = fsdp_params.get(id(param))
             padded = getattr(fsdp_param, "_sharded_param_data", None) if fsdp_param else None
-            views[fqn] = ShardView(fqn, tuple(param.shape), param.to_local(),
-                                   offsets[0] if offsets else 0, padded)
+            views[fqn] = ShardView(
+                fqn, tuple(param.shape), param.to_local(), offsets[0] if offsets else 0, padded
+            )
         return views
 
     # -------------------------------------------------------------------------------- state dict
@@ -101,8 +118,15 @@ class FullyShardAdapter(NamespaceImplementation):
             return get_model_state_dict(module, options=_dcp_options(kind, config))
         raise NotSupported(f"{kind} state dict")
 
-    def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", *,
-                        strict: bool = True, **config):
+    def load_state_dict(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        kind: str = "full",
+        *,
+        strict: bool = True,
+        **config,
+    ):
         if kind == "dtensor":
             if config:
                 raise NotSupported(f"load dtensor state dict with {sorted(config)}")
@@ -110,8 +134,9 @@ class FullyShardAdapter(NamespaceImplementation):
         if kind in _DCP_KINDS:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            return set_model_state_dict(module, state_dict,
-                                        options=_dcp_options(kind, config, strict=strict))
+            return set_model_state_dict(
+                module, state_dict, options=_dcp_options(kind, config, strict=strict)
+            )
         raise NotSupported(f"load {kind} state dict")
 
 
@@ -124,5 +149,8 @@ def _dcp_options(kind: str, config: dict, **extra):
     unknown = set(config) - {"cpu_offload"}
     if unknown:
         raise NotSupported(f"{kind} state dict option(s) {sorted(unknown)}")
-    return StateDictOptions(full_state_dict=kind == "dcp-full",
-                            cpu_offload=bool(config.get("cpu_offload", False)), **extra)
+    return StateDictOptions(
+        full_state_dict=kind == "dcp-full",
+        cpu_offload=bool(config.get("cpu_offload", False)),
+        **extra,
+    )

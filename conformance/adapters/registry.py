@@ -101,7 +101,12 @@ def load_implementation(spec: str) -> Implementation:
                 f"unknown implementation {spec!r}: use one of {', '.join(known)}, an entry point of "
                 f"group {ENTRY_POINT_GROUP!r}, or 'package.module:attr'"
             )
-        if isinstance(obj, type) and issubclass(obj, Implementation) or callable(obj) and not isinstance(obj, Implementation):
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, Implementation)
+            or callable(obj)
+            and not isinstance(obj, Implementation)
+        ):
             obj = obj()
     except ImplementationLoadError:
         raise

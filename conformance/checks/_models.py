@@ -35,10 +35,14 @@ def expect_error(ctx, what, exc_type, pattern, *steps):
     except exc_type as exc:
         assert re.search(pattern, str(exc)), (
             f"{ctx.where()} {what}: {exc_type.__name__} message {str(exc)[:300]!r} does not say "
-            f"{pattern!r}")
+            f"{pattern!r}"
+        )
         return
     except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"{ctx.where()} {what}: raised {type(exc).__name__}: {str(exc)[:300]}, "
-                             f"expected {exc_type.__name__} matching {pattern!r}") from exc
-    raise AssertionError(f"{ctx.where()} {what}: accepted; expected {exc_type.__name__} matching "
-                         f"{pattern!r}")
+        raise AssertionError(
+            f"{ctx.where()} {what}: raised {type(exc).__name__}: {str(exc)[:300]}, "
+            f"expected {exc_type.__name__} matching {pattern!r}"
+        ) from exc
+    raise AssertionError(
+        f"{ctx.where()} {what}: accepted; expected {exc_type.__name__} matching {pattern!r}"
+    )

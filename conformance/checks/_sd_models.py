@@ -121,7 +121,9 @@ def inputs(rank: int, batch: int = 2, step: int = 0, features: int = 4) -> torch
     return small_values((batch, features), salt=17 * step + 3 * rank + 5) * 2.0
 
 
-def train(model: nn.Module, ctx, steps: int = 2, lr: float = 0.1, local: bool = False) -> list[torch.Tensor]:
+def train(
+    model: nn.Module, ctx, steps: int = 2, lr: float = 0.1, local: bool = False
+) -> list[torch.Tensor]:
     """A few SGD steps; returns each step's loss (detached). Sharded (``local=False``): each rank
     uses its own batch and the implementation averages gradients. ``local=True``: an unwrapped copy
     trained on the global batch (every rank's batch, concatenated) with the mean loss, which is
@@ -151,8 +153,10 @@ def full_params(ctx, module: nn.Module, impl=None) -> dict[str, torch.Tensor]:
     (``impl.local_shards``) and an all-gather: independent of the state-dict code under test."""
     impl = impl or ctx.impl
     flat = base.FLAT_PARAM in impl.capabilities
-    mine = {base.clean_fqn(fqn): (v.global_shape, v.local.detach().cpu().clone(), v.offset)
-            for fqn, v in impl.local_shards(module).items()}
+    mine = {
+        base.clean_fqn(fqn): (v.global_shape, v.local.detach().cpu().clone(), v.offset)
+        for fqn, v in impl.local_shards(module).items()
+    }
     gathered = [None] * ctx.world_size
     if ctx.world_size > 1:
         dist.all_gather_object(gathered, mine)
@@ -168,7 +172,7 @@ def full_params(ctx, module: nn.Module, impl=None) -> dict[str, torch.Tensor]:
                 continue
             row = 1 if flat else math.prod(shape[1:])
             start = offset * row
-            full[start: start + part.numel()] = part.reshape(-1)
+            full[start : start + part.numel()] = part.reshape(-1)
         out[fqn] = full.reshape(shape)
     return out
 
@@ -238,7 +242,10 @@ def build(ctx, cls=Net, salt: int = 0, plan=NET_PLAN, impl=None, **options):
 def is_full_kind(ctx, kind: str) -> bool:
     """Whether ``kind`` yields plain full tensors here (FSDP1 at world size 1 is NO_SHARD: S8)."""
     return kind in FULL_KINDS or (
-        ctx.world_size == 1 and kind in ("sharded", "local") and base.FLAT_PARAM in ctx.impl.capabilities)
+        ctx.world_size == 1
+        and kind in ("sharded", "local")
+        and base.FLAT_PARAM in ctx.impl.capabilities
+    )
 
 
 def _sharded_types():
@@ -251,7 +258,8 @@ def _sharded_types():
 def assert_clean_keys(ctx, sd: dict) -> None:
     for key in sd:
         assert "_fsdp_wrapped_module" not in key and "_checkpoint_wrapped_module" not in key, (
-            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix")
+            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix"
+        )
 
 
 def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: bool = True) -> None:
@@ -262,24 +270,32 @@ def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: b
     def same(a, b, what):
         a = a.detach().cpu()
         ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-        assert ok, f"{ctx.where()} {name}: {what} {a.reshape(-1)[:6].tolist()} != expected {b.reshape(-1)[:6].tolist()}"
+        assert ok, (
+            f"{ctx.where()} {name}: {what} {a.reshape(-1)[:6].tolist()} != expected {b.reshape(-1)[:6].tolist()}"
+        )
 
     if full:
-        assert type(got) is torch.Tensor or (isinstance(got, torch.Tensor) and not isinstance(
-            got, (ShardedTensor, DTensor))), f"{ctx.where()} {name}: {type(got).__name__}, expected a plain tensor"
-        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: shape {tuple(got.shape)} != {tuple(exp.shape)}"
+        assert type(got) is torch.Tensor or (
+            isinstance(got, torch.Tensor) and not isinstance(got, (ShardedTensor, DTensor))
+        ), f"{ctx.where()} {name}: {type(got).__name__}, expected a plain tensor"
+        assert tuple(got.shape) == tuple(exp.shape), (
+            f"{ctx.where()} {name}: shape {tuple(got.shape)} != {tuple(exp.shape)}"
+        )
         assert got.dtype == exp.dtype, f"{ctx.where()} {name}: dtype {got.dtype} != {exp.dtype}"
         same(got, exp, "value")
         return
     start, end = dim0_rows(exp.shape[0], ctx.world_size, ctx.rank) if exp.dim() else (0, 1)
     if isinstance(got, ShardedTensor):
         size = tuple(got.metadata().size)
-        assert size == tuple(exp.shape), f"{ctx.where()} {name}: ShardedTensor size {size} != {tuple(exp.shape)}"
+        assert size == tuple(exp.shape), (
+            f"{ctx.where()} {name}: ShardedTensor size {size} != {tuple(exp.shape)}"
+        )
         shards = got.local_shards()
         if end == start:
             assert not shards or all(s.tensor.numel() == 0 for s in shards), (
                 f"{ctx.where()} {name} {tuple(exp.shape)}: expected no local shard past the last chunk, "
-                f"got {[tuple(s.tensor.shape) for s in shards]}")
+                f"got {[tuple(s.tensor.shape) for s in shards]}"
+            )
             return
         assert len(shards) == 1, f"{ctx.where()} {name}: {len(shards)} local shards, expected 1"
         offsets = list(shards[0].metadata.shard_offsets)
@@ -290,19 +306,32 @@ def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: b
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        assert tuple(got.shape) == tuple(exp.shape), f"{ctx.where()} {name}: DTensor size {tuple(got.shape)}"
-        assert tuple(got.placements) == (Shard(0),), f"{ctx.where()} {name}: placements {got.placements}"
+        assert tuple(got.shape) == tuple(exp.shape), (
+            f"{ctx.where()} {name}: DTensor size {tuple(got.shape)}"
+        )
+        assert tuple(got.placements) == (Shard(0),), (
+            f"{ctx.where()} {name}: placements {got.placements}"
+        )
         local = got.to_local()
         if end > start:
-            _, offset = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
-            assert offset[0] == start, f"{ctx.where()} {name}: DTensor local offset {offset[0]}, expected {start}"
+            _, offset = compute_local_shape_and_global_offset(
+                got.shape, got.device_mesh, got.placements
+            )
+            assert offset[0] == start, (
+                f"{ctx.where()} {name}: DTensor local offset {offset[0]}, expected {start}"
+            )
     else:
-        raise AssertionError(f"{ctx.where()} {name}: {type(got).__name__}, expected a ShardedTensor or DTensor")
-    assert local.dtype == exp.dtype, f"{ctx.where()} {name}: local shard dtype {local.dtype} != {exp.dtype}"
+        raise AssertionError(
+            f"{ctx.where()} {name}: {type(got).__name__}, expected a ShardedTensor or DTensor"
+        )
+    assert local.dtype == exp.dtype, (
+        f"{ctx.where()} {name}: local shard dtype {local.dtype} != {exp.dtype}"
+    )
     want_shape = (end - start, *exp.shape[1:])
     assert tuple(local.shape) == want_shape, (
         f"{ctx.where()} {name} {tuple(exp.shape)}: local shard shape {tuple(local.shape)}, expected "
-        f"{want_shape} (rows {start}:{end})")
+        f"{want_shape} (rows {start}:{end})"
+    )
     same(local, exp[start:end], f"local rows {start}:{end}")
 
 
@@ -314,12 +343,14 @@ def assert_loaded(ctx, model, expected: dict, what: str, impl=None, params=None)
         assert fqn in expected, f"{ctx.where()} {what}: parameter {fqn} not in the saved model"
         assert torch.equal(value, expected[fqn]), (
             f"{ctx.where()} {what}: {fqn} is {value.reshape(-1)[:4].tolist()}, expected the saved "
-            f"{expected[fqn].reshape(-1)[:4].tolist()}")
+            f"{expected[fqn].reshape(-1)[:4].tolist()}"
+        )
     for name, buf in model.named_buffers():
         name = clean_fqn(name)
         if name in expected:
             assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
-                f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected {expected[name].tolist()}")
+                f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected {expected[name].tolist()}"
+            )
 
 
 def plain_reference(cls=Net, salt: int = 0) -> dict:

@@ -32,8 +32,14 @@ class PairTensor(torch.Tensor):
     def __new__(cls, a: torch.Tensor, b: torch.Tensor):
         assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
         return torch.Tensor._make_wrapper_subclass(
-            cls, a.shape, strides=a.stride(), storage_offset=a.storage_offset(), dtype=a.dtype,
-            device=a.device, requires_grad=False)
+            cls,
+            a.shape,
+            strides=a.stride(),
+            storage_offset=a.storage_offset(),
+            dtype=a.dtype,
+            device=a.device,
+            requires_grad=False,
+        )
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
         self.a = a
@@ -52,10 +58,14 @@ class PairTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out_a = func(*tree_map_only(PairTensor, lambda t: t.a, args),
-                     **tree_map_only(PairTensor, lambda t: t.a, kwargs))
-        out_b = func(*tree_map_only(PairTensor, lambda t: t.b, args),
-                     **tree_map_only(PairTensor, lambda t: t.b, kwargs))
+        out_a = func(
+            *tree_map_only(PairTensor, lambda t: t.a, args),
+            **tree_map_only(PairTensor, lambda t: t.a, kwargs),
+        )
+        out_b = func(
+            *tree_map_only(PairTensor, lambda t: t.b, args),
+            **tree_map_only(PairTensor, lambda t: t.b, kwargs),
+        )
         if func._schema.is_mutable:  # in place / out=: return the mutated wrapper
             first = args[0] if args and isinstance(args[0], PairTensor) else kwargs.get("out")
             if isinstance(first, PairTensor):
@@ -69,11 +79,19 @@ class PairTensor(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         gathered_a, *rest = all_gather_outputs  # (a, b), or (a,) for Single5
         assert len(rest) == (0 if metadata.get("single") else 1), (
-            f"post hook got {len(all_gather_outputs)} all-gather outputs")
+            f"post hook got {len(all_gather_outputs)} all-gather outputs"
+        )
         rows = metadata["rows"] if metadata.get("rows") is not None else gathered_a.shape[0]
         unsharded_a = gathered_a[:rows]
-        LOG.append({"hook": "post", "out": out, "a": unsharded_a.clone(),
-                    "b": rest[0][:rows].clone() if rest else None, "param_dtype": param_dtype})
+        LOG.append(
+            {
+                "hook": "post",
+                "out": out,
+                "a": unsharded_a.clone(),
+                "b": rest[0][:rows].clone() if rest else None,
+                "param_dtype": param_dtype,
+            }
+        )
         if out is not None:
             if out.data_ptr() != unsharded_a.data_ptr():  # not a view of the refilled output
                 out.data.copy_(unsharded_a)
@@ -93,9 +111,17 @@ class Pair5(PairTensor):
     """PairTensor with the 5-argument pre hook; pads to the padded shard size when needed."""
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        LOG.append({"hook": "pre5", "mesh": mesh, "outer_size": tuple(outer_size),
-                    "outer_stride": tuple(outer_stride), "module": module, "mp_policy": mp_policy,
-                    "local_shape": tuple(self.shape)})
+        LOG.append(
+            {
+                "hook": "pre5",
+                "mesh": mesh,
+                "outer_size": tuple(outer_size),
+                "outer_stride": tuple(outer_stride),
+                "module": module,
+                "mp_policy": mp_policy,
+                "local_shape": tuple(self.shape),
+            }
+        )
         padded_rows = chunk_size(outer_size[0], mesh.size())
         a, b = self.a, self.b
         if a.shape[0] != padded_rows:
@@ -111,8 +137,9 @@ class Single5(Pair5):
     """Pair5 that all-gathers only ``a`` (one all-gather input)."""
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        (a, _b), metadata = super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
-                                                        mp_policy)
+        (a, _b), metadata = super().fsdp_pre_all_gather(
+            mesh, outer_size, outer_stride, module, mp_policy
+        )
         return (a,), {**metadata, "single": True}
 
 

@@ -29,8 +29,9 @@ class Containers(nn.Module):
     def __init__(self):
         super().__init__()
         self.mlist = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5)])
-        self.mdict = nn.ModuleDict({"big": nn.Linear(10, 10), "a": nn.Linear(5, 5),
-                                    "b": nn.Linear(5, 5)})
+        self.mdict = nn.ModuleDict(
+            {"big": nn.Linear(10, 10), "a": nn.Linear(5, 5), "b": nn.Linear(5, 5)}
+        )
         self.head = nn.Linear(10, 5)
 
     def forward(self, x):
@@ -67,12 +68,18 @@ class SharedParamsTransformer(nn.Module):
         super().__init__()
         d = self.DIM
         self.embed = nn.Embedding(self.VOCAB, d)
-        self.encoder = nn.ModuleList([
-            nn.TransformerEncoderLayer(d, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-            for _ in range(2)])
-        self.decoder = nn.ModuleList([
-            nn.TransformerDecoderLayer(d, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-            for _ in range(2)])
+        self.encoder = nn.ModuleList(
+            [
+                nn.TransformerEncoderLayer(d, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+                for _ in range(2)
+            ]
+        )
+        self.decoder = nn.ModuleList(
+            [
+                nn.TransformerDecoderLayer(d, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+                for _ in range(2)
+            ]
+        )
         self.bn = nn.BatchNorm1d(d)
         self.head = nn.Linear(d, self.VOCAB)
         self.head.weight = self.embed.weight  # shared: registered under two names

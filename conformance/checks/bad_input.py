@@ -45,16 +45,21 @@ def assert_unchanged(ctx, model, snap, what):
     for name, module in model.named_modules():
         assert type(module) is classes.get(name), (
             f"{ctx.where()} after the rejected {what}: module {name or '<root>'} is now "
-            f"{type(module).__name__}, expected it left as {classes.get(name).__name__}")
+            f"{type(module).__name__}, expected it left as {classes.get(name).__name__}"
+        )
     now = dict(model.named_parameters())
-    assert set(now) == set(params), f"{ctx.where()} after the rejected {what}: parameters {sorted(now)}"
+    assert set(now) == set(params), (
+        f"{ctx.where()} after the rejected {what}: parameters {sorted(now)}"
+    )
     for name, (obj, value) in params.items():
         assert now[name] is obj, (
             f"{ctx.where()} after the rejected {what}: parameter {name} was replaced "
-            f"(now {type(now[name]).__name__}); expected the original object")
+            f"(now {type(now[name]).__name__}); expected the original object"
+        )
         if value.device.type != "meta":
             assert torch.equal(now[name].detach(), value), (
-                f"{ctx.where()} after the rejected {what}: parameter {name} changed value")
+                f"{ctx.where()} after the rejected {what}: parameter {name} changed value"
+            )
 
 
 def expect_rejected(ctx, model, call, exc_type, pattern, what, strict=False):
@@ -66,14 +71,17 @@ def expect_rejected(ctx, model, call, exc_type, pattern, what, strict=False):
     except exc_type as exc:
         assert re.search(pattern, str(exc)), (
             f"{ctx.where()} {what}: {type(exc).__name__} message {str(exc)[:300]!r} does not say "
-            f"{pattern!r}")
+            f"{pattern!r}"
+        )
     except Exception as exc:  # noqa: BLE001
         raise AssertionError(
             f"{ctx.where()} {what}: raised {type(exc).__name__}({str(exc)[:200]!r}), expected "
-            f"{exc_type.__name__} matching {pattern!r}") from exc
+            f"{exc_type.__name__} matching {pattern!r}"
+        ) from exc
     else:
-        raise AssertionError(f"{ctx.where()} {what}: no error, expected {exc_type.__name__} "
-                             f"matching {pattern!r}")
+        raise AssertionError(
+            f"{ctx.where()} {what}: no error, expected {exc_type.__name__} matching {pattern!r}"
+        )
     if strict:
         assert_unchanged(ctx, model, snap, what)
 
@@ -86,13 +94,22 @@ def scalar_parameter(ctx, strict=False):
     """A 0-dim parameter is rejected with ValueError 'fully_shard doesn't support scalar parameters.
     Change <name> to a 1D tensor with numel equal to 1.' (P12)."""
     model = Two(torch.tensor(2.5)).to(ctx.device)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh), ValueError,
-                    r"scalar parameter.*extra.*1D tensor", "fully_shard with a scalar parameter",
-                    strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh),
+        ValueError,
+        r"scalar parameter.*extra.*1D tensor",
+        "fully_shard with a scalar parameter",
+        strict,
+    )
 
 
-NONCONTIGUOUS_CASES = {"transposed": {"kind": "t"}, "channels-last": {"kind": "cl"},
-                       "transposed-only": {"kind": "only"}}
+NONCONTIGUOUS_CASES = {
+    "transposed": {"kind": "t"},
+    "channels-last": {"kind": "cl"},
+    "transposed-only": {"kind": "only"},
+}
 
 
 @check(area="bad_input", requires=API, cases=NONCONTIGUOUS_CASES)
@@ -110,10 +127,18 @@ def noncontiguous_parameter(ctx, kind, strict=False):
         model = Two().to(ctx.device)
         ctx.seed(0)
         model.conv = nn.Conv2d(8, 8, 3).to(ctx.device).to(memory_format=torch.channels_last)
-    assert not dict(model.named_parameters())["extra" if kind == "t" else "conv.weight"].is_contiguous()
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh),
-                    NotImplementedError, r"non-contiguous param",
-                    "fully_shard with a non-contiguous parameter", strict)
+    assert not dict(model.named_parameters())[
+        "extra" if kind == "t" else "conv.weight"
+    ].is_contiguous()
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh),
+        NotImplementedError,
+        r"non-contiguous param",
+        "fully_shard with a non-contiguous parameter",
+        strict,
+    )
 
 
 @check(area="bad_input", requires=API)
@@ -121,8 +146,15 @@ def mesh_3d(ctx, strict=False):
     """A 3-D mesh is rejected with ValueError 'fully_shard expects a 1D or 2D DeviceMesh' (P12)."""
     mesh = ctx.make_mesh((ctx.world_size, 1, 1), ("a", "b", "c"))
     model = Two().to(ctx.device)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=mesh), ValueError,
-                    r"1D or 2D (Device)?Mesh", "fully_shard on a 3-D mesh", strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=mesh),
+        ValueError,
+        r"1D or 2D (Device)?Mesh",
+        "fully_shard on a 3-D mesh",
+        strict,
+    )
 
 
 @check(area="bad_input", requires=API | {base.HSDP})
@@ -131,15 +163,29 @@ def mesh_2d_without_names(ctx, strict=False):
     mesh_dim_names, which HSDP needs (P12, P16)."""
     mesh = ctx.make_mesh((1, ctx.world_size))
     model = Two().to(ctx.device)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(model, mesh=mesh), AssertionError,
-                    r"mesh_dim_names", "fully_shard on an unnamed 2-D mesh", strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=mesh),
+        AssertionError,
+        r"mesh_dim_names",
+        "fully_shard on an unnamed 2-D mesh",
+        strict,
+    )
 
 
 RAF_BAD = {
     "int-zero": {"value": lambda ws: 0, "exc": ValueError, "pattern": r"factor of {ws}, not 0"},
-    "int-above-ws": {"value": lambda ws: ws + 1, "exc": ValueError,
-                     "pattern": r"factor of {ws}, not {v}"},
-    "int-negative": {"value": lambda ws: -2, "exc": ValueError, "pattern": r"factor of {ws}, not -2"},
+    "int-above-ws": {
+        "value": lambda ws: ws + 1,
+        "exc": ValueError,
+        "pattern": r"factor of {ws}, not {v}",
+    },
+    "int-negative": {
+        "value": lambda ws: -2,
+        "exc": ValueError,
+        "pattern": r"factor of {ws}, not -2",
+    },
     "str": {"value": lambda ws: "yes", "exc": ValueError, "pattern": r"bool or an int.*not yes"},
     "float": {"value": lambda ws: 0.5, "exc": ValueError, "pattern": r"bool or an int.*not 0\.5"},
 }
@@ -157,9 +203,15 @@ def invalid_reshard_after_forward(ctx, name, strict=False):
     value = spec["value"](ctx.world_size)
     pattern = spec["pattern"].format(ws=ctx.world_size, v=value)
     model = Two().to(ctx.device)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
-        model, mesh=ctx.mesh, reshard_after_forward=value), spec["exc"], pattern,
-        f"fully_shard(reshard_after_forward={value!r})", strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, reshard_after_forward=value),
+        spec["exc"],
+        pattern,
+        f"fully_shard(reshard_after_forward={value!r})",
+        strict,
+    )
 
 
 @check(area="bad_input", requires=API | {base.RESHARD_AFTER_FORWARD}, world_sizes=(4,))
@@ -167,9 +219,15 @@ def invalid_reshard_after_forward_non_factor(ctx, strict=False):
     """reshard_after_forward=3 at world size 4 is rejected with ValueError '... a factor of 4, not
     3' (P3)."""
     model = Two().to(ctx.device)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
-        model, mesh=ctx.mesh, reshard_after_forward=3), ValueError, r"factor of 4, not 3",
-        "fully_shard(reshard_after_forward=3)", strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, reshard_after_forward=3),
+        ValueError,
+        r"factor of 4, not 3",
+        "fully_shard(reshard_after_forward=3)",
+        strict,
+    )
 
 
 PLACEMENT_BAD = {
@@ -197,8 +255,12 @@ UNEVEN_PLACEMENT_CASES = {"uneven-dim1": {"name": "uneven-dim1"}}  # needs ws > 
 
 
 @check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN}, cases=PLACEMENT_CASES)
-@check(area="bad_input", requires=API | {base.SHARD_PLACEMENT_FN}, cases=UNEVEN_PLACEMENT_CASES,
-       min_world_size=2)
+@check(
+    area="bad_input",
+    requires=API | {base.SHARD_PLACEMENT_FN},
+    cases=UNEVEN_PLACEMENT_CASES,
+    min_world_size=2,
+)
 def invalid_shard_placement(ctx, name, strict=False):
     """An invalid shard_placement_fn result is rejected (P13): Replicate() with ValueError 'Invalid
     shard_placement_fn result', Shard(1) for a 1-D parameter with AssertionError 'Shard dim 1 is
@@ -206,9 +268,15 @@ def invalid_shard_placement(ctx, name, strict=False):
     NotImplementedError 'FSDP does not support uneven sharding on dim 1'."""
     spec = PLACEMENT_BAD[name]
     model, fn = placement_case(ctx, name)
-    expect_rejected(ctx, model, lambda: ctx.impl.ns.fully_shard(
-        model, mesh=ctx.mesh, shard_placement_fn=fn), spec["exc"], spec["pattern"],
-        f"fully_shard with shard_placement_fn ({name})", strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, shard_placement_fn=fn),
+        spec["exc"],
+        spec["pattern"],
+        f"fully_shard with shard_placement_fn ({name})",
+        strict,
+    )
 
 
 @check(area="bad_input", requires=API)
@@ -220,6 +288,12 @@ def forward_on_meta_params(ctx, strict=False):
         model = Two()
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
     x = torch.ones(2, 3, device=ctx.device)
-    expect_rejected(ctx, model, lambda: model(x), RuntimeError,
-                    r"materialized from meta device.*lin\.weight", "forward on meta parameters",
-                    strict)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: model(x),
+        RuntimeError,
+        r"materialized from meta device.*lin\.weight",
+        "forward on meta parameters",
+        strict,
+    )

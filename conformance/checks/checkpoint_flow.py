@@ -38,8 +38,16 @@ from conformance.checks.training import FP32, assert_close
 from conformance.registry import Skip, check
 
 STEPS = 3
-CPU_KINDS = ("full", "sharded", "local", "dcp-full")  # kinds whose values are plain or ShardedTensor
-CASES = {k: {"kind": k, "to_cpu": False} for k in ("full", "sharded", "local", "dtensor", "dcp-full", "dcp-sharded")}
+CPU_KINDS = (
+    "full",
+    "sharded",
+    "local",
+    "dcp-full",
+)  # kinds whose values are plain or ShardedTensor
+CASES = {
+    k: {"kind": k, "to_cpu": False}
+    for k in ("full", "sharded", "local", "dtensor", "dcp-full", "dcp-sharded")
+}
 CASES |= {f"{k}-to_cpu": {"kind": k, "to_cpu": True} for k in CPU_KINDS}
 
 
@@ -61,8 +69,12 @@ def assert_oracle_params(ctx, model, oracle, what: str) -> None:
     """``model``'s full parameters (from the layout view) equal the oracle's, on this rank."""
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
-        assert name in got, f"{ctx.where()} {what}: parameter {name} missing from the layout ({sorted(got)})"
-        assert_close(ctx, f"{what}: {name} (vs the single-process oracle's)", got[name], ref, FP32["param"])
+        assert name in got, (
+            f"{ctx.where()} {what}: parameter {name} missing from the layout ({sorted(got)})"
+        )
+        assert_close(
+            ctx, f"{what}: {name} (vs the single-process oracle's)", got[name], ref, FP32["param"]
+        )
 
 
 @check(area=AREA, requires={base.TRAINING}, cases=CASES)
@@ -88,7 +100,8 @@ def checkpoint_flow(ctx, kind, to_cpu):
         if clean_fqn(name) in saved:
             assert torch.equal(buf.detach().cpu(), saved[clean_fqn(name)]), (
                 f"{ctx.where()} {what}: buffer {clean_fqn(name)} is {buf.tolist()}, expected the saved "
-                f"{saved[clean_fqn(name)].tolist()}")
+                f"{saved[clean_fqn(name)].tolist()}"
+            )
     # The next step's loss on this rank's batch: the oracle's on the same samples (computed first,
     # under no_grad; never a no_grad forward of the sharded model before its optimizer is built,
     # as FSDP2 leaves the root's parameters unsharded after a forward without backward).
@@ -96,6 +109,11 @@ def checkpoint_flow(ctx, kind, to_cpu):
         expected_loss = oracle(inputs(ctx.rank).to(ctx.device)).pow(2).mean()
     (loss,) = train(loaded, ctx, steps=1)
     train(oracle, ctx, steps=1, local=True)
-    assert_close(ctx, f"{what}: loss of the next step on this rank's batch (vs the oracle's)", loss,
-                 expected_loss, FP32["loss"])
+    assert_close(
+        ctx,
+        f"{what}: loss of the next step on this rank's batch (vs the oracle's)",
+        loss,
+        expected_loss,
+        FP32["loss"],
+    )
     assert_oracle_params(ctx, loaded, oracle, f"one SGD step {what}")

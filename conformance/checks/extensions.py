@@ -57,8 +57,11 @@ def _rows(ctx, uneven):
     return 2 * ctx.world_size + (1 if uneven else 0)
 
 
-@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API},
-       cases={k: {"name": k} for k in CASES})
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API},
+    cases={k: {"name": k} for k in CASES},
+)
 def all_gather_through_hooks(ctx, name):
     """Both gathered inputs equal the original (and its negation) in full, trimmed to the global size;
     the pre hook gets the shard mesh (and, with 5 arguments, the global size/stride and the owning
@@ -84,41 +87,59 @@ def all_gather_through_hooks(ctx, name):
     post = [e for e in log if e["hook"] == "post"]
     assert len(pre) == 2 and len(post) == 2, (
         f"{ctx.where()} {name}: hooks called {[e['hook'] for e in log]} over two forwards "
-        f"(reshard_after_forward=True), expected pre and post once per forward")
+        f"(reshard_after_forward=True), expected pre and post once per forward"
+    )
     for entry in pre:
         mesh = entry["mesh"]
         assert mesh.ndim == 1 and mesh.size() == ctx.world_size, (
-            f"{ctx.where()} {name}: pre hook got mesh {mesh}, expected the 1-D shard mesh of {ctx.world_size}")
+            f"{ctx.where()} {name}: pre hook got mesh {mesh}, expected the 1-D shard mesh of {ctx.world_size}"
+        )
         start, end = chunk_range(rows, ctx.world_size, ctx.rank)
         assert entry["local_shape"] == (end - start, 3), (
             f"{ctx.where()} {name}: pre hook ran on a local shard of shape {entry['local_shape']}, "
-            f"expected {(end - start, 3)}")
+            f"expected {(end - start, 3)}"
+        )
         if entry["hook"] == "pre5":
             assert entry["outer_size"] == (rows, 3) and entry["outer_stride"] == (3, 1), (
                 f"{ctx.where()} {name}: pre hook outer size/stride {entry['outer_size']}/"
-                f"{entry['outer_stride']}, expected {(rows, 3)}/(3, 1)")
-            assert entry["module"] is module, f"{ctx.where()} {name}: pre hook module is not the owner"
+                f"{entry['outer_stride']}, expected {(rows, 3)}/(3, 1)"
+            )
+            assert entry["module"] is module, (
+                f"{ctx.where()} {name}: pre hook module is not the owner"
+            )
     for i, entry in enumerate(post):
         assert torch.equal(entry["a"].cpu(), original), (
-            f"{ctx.where()} {name}: all-gather {i}: gathered values differ from the original")
+            f"{ctx.where()} {name}: all-gather {i}: gathered values differ from the original"
+        )
         assert entry["b"] is None or torch.equal(entry["b"].cpu(), -original), (
-            f"{ctx.where()} {name}: all-gather {i}: the second gathered input differs from -original")
-    assert post[0]["out"] is None, f"{ctx.where()} {name}: first post hook call got out={post[0]['out']!r}"
+            f"{ctx.where()} {name}: all-gather {i}: the second gathered input differs from -original"
+        )
+    assert post[0]["out"] is None, (
+        f"{ctx.where()} {name}: first post hook call got out={post[0]['out']!r}"
+    )
     assert post[1]["out"] is not None, f"{ctx.where()} {name}: second post hook call got out=None"
     assert post[1]["out"] is module.seen[0], (
         f"{ctx.where()} {name}: second post hook call got out= something other than the unsharded "
-        f"parameter of the first forward")
+        f"parameter of the first forward"
+    )
     assert module.seen[1] is module.seen[0], (
-        f"{ctx.where()} {name}: the second forward computed with a new unsharded parameter")
+        f"{ctx.where()} {name}: the second forward computed with a new unsharded parameter"
+    )
     for i, out in enumerate(outs):
         assert torch.allclose(out, expected_out, rtol=1e-6, atol=1e-7), (
-            f"{ctx.where()} {name}: forward {i} output differs from the unsharded model's")
+            f"{ctx.where()} {name}: forward {i} output differs from the unsharded model's"
+        )
 
 
-@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API, base.TRAINING},
-       cases={"pre5-uneven-raf-true": {"cls": Pair5, "raf": True},
-              "pre5-uneven-raf-false": {"cls": Pair5, "raf": False},
-              "pre5-uneven-one-input": {"cls": Single5, "raf": True}})
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.TRAINING},
+    cases={
+        "pre5-uneven-raf-true": {"cls": Pair5, "raf": True},
+        "pre5-uneven-raf-false": {"cls": Pair5, "raf": False},
+        "pre5-uneven-one-input": {"cls": Single5, "raf": True},
+    },
+)
 def train_step_through_hooks(ctx, cls, raf):
     """Training through an all-gather-extension parameter matches the unsharded model: each step's
     loss, the sharded gradient (the oracle's mean-gradient chunk, a plain-tensor DTensor) and, after
@@ -137,9 +158,11 @@ def train_step_through_hooks(ctx, cls, raf):
         mine = slice(2 * rank, 2 * rank + 2)
         loss = F.mse_loss(module(x[mine]), y[mine])
         oloss = ((x @ oracle.T - y) ** 2).mean(dim=1)
-        assert torch.allclose(loss.detach().cpu(), oloss[mine].mean().detach().cpu(), rtol=1e-5,
-                              atol=1e-6), (
-            f"{ctx.where()} step {step}: loss {loss.item():.6g}, oracle {oloss[mine].mean().item():.6g}")
+        assert torch.allclose(
+            loss.detach().cpu(), oloss[mine].mean().detach().cpu(), rtol=1e-5, atol=1e-6
+        ), (
+            f"{ctx.where()} step {step}: loss {loss.item():.6g}, oracle {oloss[mine].mean().item():.6g}"
+        )
         loss.backward()
         oloss.mean().backward()
         grad = module.weight.grad
@@ -148,17 +171,19 @@ def train_step_through_hooks(ctx, cls, raf):
         local = grad.to_local()
         local = local.a if isinstance(local, _subclasses.PairTensor) else local
         assert local.shape == expected.shape and torch.allclose(
-            local.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-6), (
+            local.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-6
+        ), (
             f"{ctx.where()} step {step}: sharded gradient {tuple(local.shape)} differs from the "
-            f"oracle's chunk {tuple(expected.shape)}")
+            f"oracle's chunk {tuple(expected.shape)}"
+        )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
     shard = module.weight.to_local()
     values = shard.a if isinstance(shard, _subclasses.PairTensor) else shard
-    assert torch.allclose(values.detach().cpu(), chunk_of(oracle, 0, ws, rank).detach().cpu(),
-                          rtol=1e-4, atol=1e-5), (
-        f"{ctx.where()} after 3 steps: the shard's values differ from the oracle's rows")
+    assert torch.allclose(
+        values.detach().cpu(), chunk_of(oracle, 0, ws, rank).detach().cpu(), rtol=1e-4, atol=1e-5
+    ), f"{ctx.where()} after 3 steps: the shard's values differ from the oracle's rows"
 
 
 BROKEN = {  # class, error pattern (both AssertionError upstream)
@@ -169,8 +194,11 @@ BROKEN = {  # class, error pattern (both AssertionError upstream)
 }
 
 
-@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API},
-       cases={k: {"name": k} for k in BROKEN})
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API},
+    cases={k: {"name": k} for k in BROKEN},
+)
 def extension_error_contracts(ctx, name):
     """A shard defining only one of ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` raises
     AssertionError 'Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined ...'; a pre
@@ -179,5 +207,11 @@ def extension_error_contracts(ctx, name):
     cls, pattern = BROKEN[name]
     module = PairLinear(2 * ctx.world_size, cls).to(ctx.device)
     x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
-    expect_error(ctx, name, AssertionError, pattern,
-                 lambda: ctx.impl.ns.fully_shard(module, mesh=ctx.mesh), lambda: module(x))
+    expect_error(
+        ctx,
+        name,
+        AssertionError,
+        pattern,
+        lambda: ctx.impl.ns.fully_shard(module, mesh=ctx.mesh),
+        lambda: module(x),
+    )

@@ -46,8 +46,11 @@ def _batch(ws: int, step: int, device) -> torch.Tensor:
     return torch.randn(ws * B, SEQ, EMBED, generator=g).to(device)
 
 
-@check(area="training", requires={base.TRAINING, base.FLAT_PARAM, base.AUTO_WRAP},
-       cases={"flat": {"use_orig_params": False}, "orig-params": {"use_orig_params": True}})
+@check(
+    area="training",
+    requires={base.TRAINING, base.FLAT_PARAM, base.AUTO_WRAP},
+    cases={"flat": {"use_orig_params": False}, "orig-params": {"use_orig_params": True}},
+)
 def flat_parent_reads_child_param(ctx, use_orig_params):
     """FSDP1 with every module wrapped trains ``nn.MultiheadAttention``, which reads its wrapped
     ``out_proj``'s weight and bias without calling it: losses and parameters after each SGD step
@@ -56,7 +59,10 @@ def flat_parent_reads_child_param(ctx, use_orig_params):
     model = SelfAttention().to(ctx.device)
     oracle = copy.deepcopy(model)
     model = ctx.impl.shard(model, ctx, plan=ALWAYS_WRAP, use_orig_params=use_orig_params)
-    opt, oopt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())
+    opt, oopt = (
+        make_optimizer("sgd", model.parameters()),
+        make_optimizer("sgd", oracle.parameters()),
+    )
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     for step in range(STEPS):
         x = _batch(ctx.world_size, step, ctx.device)

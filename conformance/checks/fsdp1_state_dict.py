@@ -50,7 +50,8 @@ from conformance.registry import check
 
 MESH_LOCAL_MESSAGE = (
     "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
-    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict.")
+    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
+)
 
 
 def _raises_everywhere(ctx, fn) -> Exception | None:
@@ -87,8 +88,11 @@ def mesh_sharded_dtensor(ctx):
         if name in params:
             assert isinstance(sd[name], DTensor), (
                 f"{ctx.where()} {name}: {type(sd[name]).__name__}, expected a DTensor (FSDP built "
-                "with device_mesh)")
-            assert sd[name].device_mesh == ctx.mesh, f"{ctx.where()} {name}: DTensor on another mesh"
+                "with device_mesh)"
+            )
+            assert sd[name].device_mesh == ctx.mesh, (
+                f"{ctx.where()} {name}: DTensor on another mesh"
+            )
         assert_entry(ctx, name, sd[name], exp, full=name not in params)
     dst = build(ctx, salt=1, mesh=ctx.mesh)
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "sharded"))
@@ -102,14 +106,19 @@ def mesh_local_rejected(ctx):
     every rank."""
     model = build(ctx, mesh=ctx.mesh)
     local_sd = ctx.impl.state_dict(build(ctx), "local")
-    for what, fn in (("save", lambda: ctx.impl.state_dict(model, "local")),
-                     ("load", lambda: ctx.impl.load_state_dict(model, local_sd, "local"))):
+    for what, fn in (
+        ("save", lambda: ctx.impl.state_dict(model, "local")),
+        ("load", lambda: ctx.impl.load_state_dict(model, local_sd, "local")),
+    ):
         exc = _raises_everywhere(ctx, fn)
         flags = _all_ranks(ctx, exc is not None)
-        assert all(flags), f"{ctx.where()} LOCAL {what} with a device_mesh raised on ranks {flags}, expected all"
+        assert all(flags), (
+            f"{ctx.where()} LOCAL {what} with a device_mesh raised on ranks {flags}, expected all"
+        )
         assert isinstance(exc, RuntimeError) and str(exc) == MESH_LOCAL_MESSAGE, (
             f"{ctx.where()} LOCAL {what} with a device_mesh: {type(exc).__name__}({str(exc)!r}), "
-            f"expected RuntimeError({MESH_LOCAL_MESSAGE!r})")
+            f"expected RuntimeError({MESH_LOCAL_MESSAGE!r})"
+        )
 
 
 # ------------------------------------------------------------------ entries FSDP does not manage
@@ -152,7 +161,8 @@ def _assert_unmanaged_dict(ctx, sd, expected, unmanaged, rank0_only, kind="full"
     assert set(sd) == want, (
         f"{ctx.where()} {kind}{' rank0_only' if rank0_only else ''} keys: extra "
         f"{sorted(set(sd) - want)}, missing {sorted(want - set(sd))} (entries outside every FSDP "
-        "unit stay on every rank)")
+        "unit stay on every rank)"
+    )
     for name in sorted(want):
         assert_entry(ctx, name, sd[name], expected[name], full=name not in sharded)
 
@@ -198,7 +208,8 @@ def skip_module(ctx, kind, config):
         got = getattr(raw.outer, name).detach().cpu()
         assert torch.equal(got, expected[f"outer.{name}"]), (
             f"{ctx.where()} skipped module outer.{name} after load {got.reshape(-1)[:4].tolist()}, "
-            f"expected {expected[f'outer.{name}'].reshape(-1)[:4].tolist()}")
+            f"expected {expected[f'outer.{name}'].reshape(-1)[:4].tolist()}"
+        )
 
 
 # --------------------------------------------------------------------------------- offload
@@ -212,8 +223,11 @@ def _local_tensors(value) -> list[torch.Tensor]:
 
 def _metadata(value):
     if hasattr(value, "local_shards"):
-        return ("ShardedTensor", tuple(value.metadata().size),
-                [tuple(s.metadata.shard_offsets) for s in value.local_shards()])
+        return (
+            "ShardedTensor",
+            tuple(value.metadata().size),
+            [tuple(s.metadata.shard_offsets) for s in value.local_shards()],
+        )
     return (type(value).__name__, tuple(value.shape), [])
 
 
@@ -231,7 +245,8 @@ def offload_to_cpu_values(ctx, kind):
     assert set(off) == set(plain), f"{ctx.where()} offload keys {sorted(off)} != {sorted(plain)}"
     for name in sorted(plain):
         assert _metadata(off[name]) == _metadata(plain[name]), (
-            f"{ctx.where()} {name}: with offload {_metadata(off[name])}, without {_metadata(plain[name])}")
+            f"{ctx.where()} {name}: with offload {_metadata(off[name])}, without {_metadata(plain[name])}"
+        )
         for a, b in zip(_local_tensors(off[name]), _local_tensors(plain[name])):
             assert torch.equal(a.cpu(), b.cpu()), f"{ctx.where()} {name}: offloaded values differ"
 
@@ -242,9 +257,12 @@ def offload_to_cpu_device(ctx, kind):
     CPU (needs an accelerator: on a CPU run every tensor is on the CPU anyway)."""
     require_kind(ctx, kind)
     if ctx.device.type == "cpu":
-        raise NotSupported("an accelerator: on CPU, offloaded and resident tensors are both on the CPU")
+        raise NotSupported(
+            "an accelerator: on CPU, offloaded and resident tensors are both on the CPU"
+        )
     sd = first_error_everywhere(
-        ctx, lambda: ctx.impl.state_dict(build(ctx), kind, offload_to_cpu=True))
+        ctx, lambda: ctx.impl.state_dict(build(ctx), kind, offload_to_cpu=True)
+    )
     for name, value in sd.items():
         if not hasattr(value, "local_shards"):
             continue  # buffers are not offloaded
@@ -280,8 +298,12 @@ LOAD_ERRORS = {
 }
 
 
-@check(area=AREA, requires={base.FLAT_PARAM}, cases={k: {"case": k} for k in LOAD_ERRORS},
-       min_world_size=2)
+@check(
+    area=AREA,
+    requires={base.FLAT_PARAM},
+    cases={k: {"case": k} for k in LOAD_ERRORS},
+    min_world_size=2,
+)
 def load_errors(ctx, case):
     """S5/S7: loading a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, or a
     SHARDED dict with a mis-shaped or (strict) missing parameter raises on every rank, with a
@@ -296,7 +318,8 @@ def load_errors(ctx, case):
     missing = [p for p in patterns if not re.search(p, str(exc), re.IGNORECASE)]
     assert not missing, (
         f"{ctx.where()} {case}: message {type(exc).__name__}({str(exc)!r}) does not say "
-        f"{missing} (it should name what is wrong)")
+        f"{missing} (it should name what is wrong)"
+    )
 
 
 # ------------------------------------------------------------------------ zero-numel parameter
@@ -321,7 +344,9 @@ def zero_numel_param_round_trip(ctx):
     sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "sharded"))
     expected = plain_reference(WithEmpty, 0)
     assert_clean_keys(ctx, sd)
-    assert set(sd) == set(expected), f"{ctx.where()} SHARDED keys {sorted(sd)}, expected {sorted(expected)}"
+    assert set(sd) == set(expected), (
+        f"{ctx.where()} SHARDED keys {sorted(sd)}, expected {sorted(expected)}"
+    )
     for name, exp in expected.items():
         assert_entry(ctx, name, sd[name], exp, full=is_full_kind(ctx, "sharded"))
     dst = build(ctx, WithEmpty, salt=1, plan=None)
@@ -362,11 +387,13 @@ def local_empty_unit_round_trip(ctx):
     want = {"hole._flat_param": 0, "_flat_param": 20}
     got = {k: tuple(v.size()) for k, v in flat.items()}
     assert got == {k: (n,) for k, n in want.items()}, (
-        f"{ctx.where()} LOCAL flat parameters {got}, expected {want} as 1-D sizes")
+        f"{ctx.where()} LOCAL flat parameters {got}, expected {want} as 1-D sizes"
+    )
     dst = build(ctx, WithEmptyUnit, salt=1, plan=plan)
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, "local"))
-    assert_loaded(ctx, dst, plain_reference(WithEmptyUnit, 0),
-                  "after loading a LOCAL dict with an empty unit")
+    assert_loaded(
+        ctx, dst, plain_reference(WithEmptyUnit, 0), "after loading a LOCAL dict with an empty unit"
+    )
 
 
 # --------------------------------------------------------------------------- use_orig_params
@@ -391,16 +418,25 @@ def orig_params_values(ctx, kind, config):
     sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
     flat_keys = set(ctx.impl.state_dict(build(ctx), kind))  # collective: on every rank
     if config.get("rank0_only") and ctx.rank != 0:
-        assert sd == {}, f"{ctx.where()} rank0_only: expected {{}} on this rank, got keys {sorted(sd)[:6]}"
+        assert sd == {}, (
+            f"{ctx.where()} rank0_only: expected {{}} on this rank, got keys {sorted(sd)[:6]}"
+        )
     else:
         assert_clean_keys(ctx, sd)
         assert set(sd) == flat_keys == set(expected), (
             f"{ctx.where()} use_orig_params {kind} keys {sorted(sd)}; use_orig_params=False "
-            f"{sorted(flat_keys)}; unwrapped {sorted(expected)}")
+            f"{sorted(flat_keys)}; unwrapped {sorted(expected)}"
+        )
         params = {n for n, _ in Net().named_parameters()}
         for name, exp in expected.items():
-            assert_entry(ctx, name, sd[name], exp, full=name not in params or is_full_kind(ctx, kind),
-                         exact=False)
+            assert_entry(
+                ctx,
+                name,
+                sd[name],
+                exp,
+                full=name not in params or is_full_kind(ctx, kind),
+                exact=False,
+            )
     if config.get("rank0_only"):
         sd = broadcast_from_rank0(ctx, sd)
     dst = build(ctx, salt=1, use_orig_params=True)
@@ -408,12 +444,17 @@ def orig_params_values(ctx, kind, config):
     got = full_params(ctx, dst)
     for name, value in got.items():
         assert torch.allclose(value, expected[name], rtol=1e-4, atol=1e-5), (
-            f"{ctx.where()} after loading the {kind} dict with use_orig_params: {name} differs")
+            f"{ctx.where()} after loading the {kind} dict with use_orig_params: {name} differs"
+        )
 
 
 # ---------------------------------------------------------------------------------- prefixes
 PREFIX_CASES = {k: {"kind": k} for k in ("full", "sharded", "local")}
-_TYPE_NAME = {"full": "FULL_STATE_DICT", "sharded": "SHARDED_STATE_DICT", "local": "LOCAL_STATE_DICT"}
+_TYPE_NAME = {
+    "full": "FULL_STATE_DICT",
+    "sharded": "SHARDED_STATE_DICT",
+    "local": "LOCAL_STATE_DICT",
+}
 
 
 @check(area=AREA, requires={base.FSDP1_API}, cases=PREFIX_CASES)
@@ -425,12 +466,15 @@ def prefixed_keys(ctx, kind):
     ns = ctx.impl.ns
     model = build(ctx)
     plain = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
-    with ns.FullyShardedDataParallel.state_dict_type(model, getattr(ns.StateDictType, _TYPE_NAME[kind])):
+    with ns.FullyShardedDataParallel.state_dict_type(
+        model, getattr(ns.StateDictType, _TYPE_NAME[kind])
+    ):
         prefixed = first_error_everywhere(ctx, lambda: model.state_dict(prefix="foo."))
     want = {f"foo.{k}" for k in plain}
     assert set(prefixed) == want, (
         f"{ctx.where()} {kind} state_dict(prefix='foo.') keys: extra {sorted(set(prefixed) - want)}, "
-        f"missing {sorted(want - set(prefixed))}")
+        f"missing {sorted(want - set(prefixed))}"
+    )
     for key, value in plain.items():
         for a, b in zip(_local_tensors(prefixed[f"foo.{key}"]), _local_tensors(value)):
             assert torch.equal(a.cpu(), b.cpu()), f"{ctx.where()} {kind} foo.{key}: value differs"
@@ -439,11 +483,14 @@ def prefixed_keys(ctx, kind):
     want = {f"fsdp.{k}" for k in plain} | {"plain.weight", "plain.bias"}
     assert set(sd) == want, (
         f"{ctx.where()} {kind} keys under a plain root: extra {sorted(set(sd) - want)}, missing "
-        f"{sorted(want - set(sd))}")
+        f"{sorted(want - set(sd))}"
+    )
     dst = NonFsdpRoot(ctx, salt=1)
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
     expected = NonFsdpRoot.expected()
-    assert_loaded(ctx, dst.fsdp, plain_reference(Net, 0), f"after loading a {kind} dict under 'fsdp.'")
+    assert_loaded(
+        ctx, dst.fsdp, plain_reference(Net, 0), f"after loading a {kind} dict under 'fsdp.'"
+    )
     for name in ("plain.weight", "plain.bias"):
         got = dst.get_parameter(name).detach().cpu()
         assert torch.equal(got, expected[name]), f"{ctx.where()} {name} after load: {got.tolist()}"

@@ -74,8 +74,13 @@ def assert_flat_grads(ctx, model, oracle, what: str, tol=FP32["grad"]) -> None:
     assert units, f"{ctx.where()} {what}: the implementation reports no flat parameter"
     for fqns, grad in units:
         assert grad is not None, f"{ctx.where()} {what}: flat parameter of {fqns} has no gradient"
-        assert_close(ctx, f"{what}: flat gradient of {fqns} (vs the oracle's padded chunk)",
-                     grad.reshape(-1), expected_flat_chunk(ctx, fqns, oracle), tol)
+        assert_close(
+            ctx,
+            f"{what}: flat gradient of {fqns} (vs the oracle's padded chunk)",
+            grad.reshape(-1),
+            expected_flat_chunk(ctx, fqns, oracle),
+            tol,
+        )
 
 
 def assert_orig_param_grads(ctx, model, oracle, what: str) -> None:
@@ -87,19 +92,27 @@ def assert_orig_param_grads(ctx, model, oracle, what: str) -> None:
     for name, ref in oracle.named_parameters():
         view, grad = views[name], grads.get(name)
         n = view.local.numel()
-        expected = ref.grad.detach().reshape(-1)[view.offset: view.offset + n]
+        expected = ref.grad.detach().reshape(-1)[view.offset : view.offset + n]
         if n == 0:
             assert grad is None or grad.numel() == 0, (
                 f"{ctx.where()} {what}: {name} holds no elements here but has a gradient of "
-                f"{grad.numel()} elements")
+                f"{grad.numel()} elements"
+            )
             continue
         assert grad is not None, f"{ctx.where()} {what}: {name} has no gradient"
-        assert_close(ctx, f"{what}: gradient of {name} (vs elements {view.offset}:{view.offset + n} "
-                     "of the oracle's)", grad.reshape(-1), expected, FP32["grad"])
+        assert_close(
+            ctx,
+            f"{what}: gradient of {name} (vs elements {view.offset}:{view.offset + n} "
+            "of the oracle's)",
+            grad.reshape(-1),
+            expected,
+            FP32["grad"],
+        )
 
 
-def run_flat_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=3, options=None,
-                    accumulate=1, tols=FP32):
+def run_flat_parity(
+    ctx, model_name="mlp", plan="root", optim="sgd", steps=3, options=None, accumulate=1, tols=FP32
+):
     """Train the wrapped model and the oracle side by side and compare (see the module Note).
     ``accumulate``: micro-batches per optimizer step, all but the last inside ``no_sync()``;
     ``tols``: tolerances of the loss, gradient and parameter comparisons."""
@@ -114,17 +127,25 @@ def run_flat_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=3, op
         for micro in range(accumulate):
             x, y = make_batch(model_name, ctx.world_size, step * accumulate + micro, ctx.device)
             sync = micro == accumulate - 1
-            with contextlib.nullcontext() if sync else model.no_sync(), \
-                    observe_reduce_scatter() as reductions:
+            with (
+                contextlib.nullcontext() if sync else model.no_sync(),
+                observe_reduce_scatter() as reductions,
+            ):
                 loss = per_sample_loss(model_name, model(x[mine]), y[mine]).mean()
                 loss.backward()
             assert sync or not reductions, (
                 f"{ctx.where()} step {step}: the backward inside no_sync() reduce-scattered "
-                f"{len(reductions)} gradient(s), expected none (accumulate locally)")
+                f"{len(reductions)} gradient(s), expected none (accumulate locally)"
+            )
             oloss_all = per_sample_loss(model_name, oracle(x), y)
             oloss_all.mean().backward()
-            assert_close(ctx, f"step {step} micro-batch {micro} loss", loss,
-                         oloss_all[mine].mean(), tols["loss"])
+            assert_close(
+                ctx,
+                f"step {step} micro-batch {micro} loss",
+                loss,
+                oloss_all[mine].mean(),
+                tols["loss"],
+            )
         if (options or {}).get("use_orig_params"):
             assert_orig_param_grads(ctx, model, oracle, f"step {step}")
         else:
@@ -148,7 +169,9 @@ def assert_params_equal_oracle(ctx, model, oracle, what: str, tol=FP32["param"])
 
 FLAT_PARITY_CASES = {
     f"{model}-{plan}-{optim}": {"model_name": model, "plan": plan, "optim": optim}
-    for model in ("mlp", "tiny") for plan in PLANS for optim in ("sgd", "adam")
+    for model in ("mlp", "tiny")
+    for plan in PLANS
+    for optim in ("sgd", "adam")
 }
 
 
@@ -159,9 +182,14 @@ def flat_train_parity(ctx, model_name, plan, optim):
     run_flat_parity(ctx, model_name, plan, optim)
 
 
-@check(area="training", requires=FLAT_TRAINING | {base.FSDP1_API},
-       cases={"mlp-nested-sgd": {"plan": "nested", "optim": "sgd"},
-              "tiny-root-adam": {"plan": "root", "optim": "adam", "model_name": "tiny"}})
+@check(
+    area="training",
+    requires=FLAT_TRAINING | {base.FSDP1_API},
+    cases={
+        "mlp-nested-sgd": {"plan": "nested", "optim": "sgd"},
+        "tiny-root-adam": {"plan": "root", "optim": "adam", "model_name": "tiny"},
+    },
+)
 def flat_no_sync_accumulation(ctx, plan, optim, model_name="mlp"):
     """FSDP1 ``no_sync()``: two micro-batches per step, the first inside ``model.no_sync()`` (its
     backward issues no reduce-scatter); the flat gradient after the synced one is the oracle's chunk of the gradient summed over both, and
@@ -169,37 +197,51 @@ def flat_no_sync_accumulation(ctx, plan, optim, model_name="mlp"):
     run_flat_parity(ctx, model_name, plan, optim, steps=2, accumulate=2)
 
 
-@check(area="training", requires=FLAT_TRAINING,
-       cases={"mlp-nested-adam": {"plan": "nested", "optim": "adam"},
-              "tiny-root-sgd": {"plan": "root", "optim": "sgd", "model_name": "tiny"}})
+@check(
+    area="training",
+    requires=FLAT_TRAINING,
+    cases={
+        "mlp-nested-adam": {"plan": "nested", "optim": "adam"},
+        "tiny-root-sgd": {"plan": "root", "optim": "sgd", "model_name": "tiny"},
+    },
+)
 def flat_train_parity_orig_params(ctx, plan, optim, model_name="mlp"):
     """FSDP1 ``use_orig_params=True``: the optimizer steps the original parameters' sharded views
     under their original names; losses, each view's gradient (the oracle's elements at the view's
     offset) and the parameters match the oracle (S17)."""
-    model = run_flat_parity(ctx, model_name, plan, optim, steps=2,
-                            options={"use_orig_params": True})
+    model = run_flat_parity(
+        ctx, model_name, plan, optim, steps=2, options={"use_orig_params": True}
+    )
     names = {base.clean_fqn(n) for n, _ in model.named_parameters()}
     expected = {n for n, _ in MODELS[model_name]().named_parameters()}
     assert names == expected, (
         f"{ctx.where()} use_orig_params: named_parameters {sorted(names)}, expected the original "
-        f"names {sorted(expected)}")
+        f"names {sorted(expected)}"
+    )
 
 
 # bf16 compute against the fp32 oracle: bf16 keeps ~3 significant digits; a missing or doubled
 # average, or a gradient reduced from the wrong values, is off by far more
-BF16_TOLS = {"loss": dict(rtol=2e-2, atol=1e-3), "grad": dict(rtol=3e-2, atol=3e-3),
-             "param": dict(rtol=2e-2, atol=2e-3)}
+BF16_TOLS = {
+    "loss": dict(rtol=2e-2, atol=1e-3),
+    "grad": dict(rtol=3e-2, atol=3e-3),
+    "param": dict(rtol=2e-2, atol=2e-3),
+}
 
 
-@check(area="training", requires=FLAT_TRAINING | {base.MIXED_PRECISION},
-       cases={"bf16-fp32-reduce": {"reduce": torch.float32}, "bf16-bf16-reduce": {"reduce": None}})
+@check(
+    area="training",
+    requires=FLAT_TRAINING | {base.MIXED_PRECISION},
+    cases={"bf16-fp32-reduce": {"reduce": torch.float32}, "bf16-bf16-reduce": {"reduce": None}},
+)
 def flat_train_parity_bf16(ctx, reduce):
     """FSDP1 ``MixedPrecision(param_dtype=bf16)``: losses, flat gradients and parameters after 2
     SGD steps track the fp32 oracle within bf16 tolerances (loss rtol 2e-2, gradient 3e-2,
     parameters 2e-2), with the reduction in fp32 or bf16 (P5, P6)."""
     mp = {"param_dtype": BF16, "reduce_dtype": reduce}
-    run_flat_parity(ctx, "mlp", "nested", "sgd", steps=2, options={"mixed_precision": mp},
-                    tols=BF16_TOLS)
+    run_flat_parity(
+        ctx, "mlp", "nested", "sgd", steps=2, options={"mixed_precision": mp}, tols=BF16_TOLS
+    )
 
 
 # ------------------------------------------------------------------------------ mixed precision
@@ -211,8 +253,9 @@ def _reduce_dtype(spec) -> torch.dtype:
 FLAT_MP_CASES = {k: {"name": k} for k, v in MP_CASES.items() if v["orig"] == FP32_DTYPE}
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM},
-       cases=FLAT_MP_CASES)
+@check(
+    area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM}, cases=FLAT_MP_CASES
+)
 def flat_mixed_precision_dtypes(ctx, name):
     """FSDP1 MixedPrecision: forward sees inputs and parameters in ``param_dtype or orig`` and
     returns it; every reduce-scatter runs in ``reduce_dtype or param_dtype or orig``; the flat
@@ -226,26 +269,36 @@ def flat_mixed_precision_dtypes(ctx, name):
         for what in ("input", "weight", "bias"):
             assert seen[what] == compute, (
                 f"{ctx.where()} {name}: {layer} saw its {what} in {seen[what]} during forward, "
-                f"expected {compute}")
-    assert out.dtype == compute, f"{ctx.where()} {name}: output dtype {out.dtype}, expected {compute}"
+                f"expected {compute}"
+            )
+    assert out.dtype == compute, (
+        f"{ctx.where()} {name}: output dtype {out.dtype}, expected {compute}"
+    )
     with observe_reduce_scatter() as calls:
         out.float().sum().backward()
     if ctx.world_size > 1:
         assert calls and all(c == (reduce, reduce) for c in calls), (
             f"{ctx.where()} {name}: reduce-scatter (input, output) dtypes {calls}, expected all "
-            f"{reduce}")
+            f"{reduce}"
+        )
     grad_dtype = spec["orig"]
     for fqns, flat in ctx.impl.flat_shards(model):
-        assert flat.dtype == spec["orig"], f"{ctx.where()} {name}: flat parameter of {fqns} is {flat.dtype}"
+        assert flat.dtype == spec["orig"], (
+            f"{ctx.where()} {name}: flat parameter of {fqns} is {flat.dtype}"
+        )
     for fqns, grad in flat_grads(ctx, model):
         assert grad is not None and grad.dtype == grad_dtype, (
             f"{ctx.where()} {name}: flat gradient of {fqns} dtype "
-            f"{None if grad is None else grad.dtype}, expected {grad_dtype}")
+            f"{None if grad is None else grad.dtype}, expected {grad_dtype}"
+        )
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.TRAINING},
-       cases={"bf16-fp32": {"reduce": torch.float32}, "bf16-none": {"reduce": None}},
-       min_world_size=2)
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.TRAINING},
+    cases={"bf16-fp32": {"reduce": torch.float32}, "bf16-none": {"reduce": None}},
+    min_world_size=2,
+)
 def flat_keep_low_precision_grads(ctx, reduce):
     """FSDP1 ``keep_low_precision_grads=True`` (sharded strategies): the flat gradient the
     optimizer sees is in the compute dtype (bf16) with the oracle's values (bf16 tolerance); the
@@ -263,7 +316,8 @@ def flat_keep_low_precision_grads(ctx, reduce):
         for fqns, grad in flat_grads(ctx, model):
             assert grad is not None and grad.dtype == BF16, (
                 f"{ctx.where()} backward {step}: flat gradient of {fqns} dtype "
-                f"{None if grad is None else grad.dtype}, expected bfloat16 (keep_low_precision_grads)")
+                f"{None if grad is None else grad.dtype}, expected bfloat16 (keep_low_precision_grads)"
+            )
         assert_flat_grads(ctx, model, oracle, f"backward {step}", BF16_TOLS["grad"])
     for fqns, flat in ctx.impl.flat_shards(model):
         assert flat.dtype == FP32_DTYPE, f"{ctx.where()} flat parameter of {fqns} is {flat.dtype}"
@@ -283,17 +337,24 @@ class BufferNet(nn.Module):
         return self.lin(x) + self.shift
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM},
-       cases={"fp16": {"buffer_dtype": FP16}, "none": {"buffer_dtype": None}})
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.FLAT_PARAM},
+    cases={"fp16": {"buffer_dtype": FP16}, "none": {"buffer_dtype": None}},
+)
 def flat_buffer_dtype(ctx, buffer_dtype):
     """FSDP1 ``MixedPrecision(buffer_dtype=...)``: the root's buffers are cast once at lazy init,
     forward sees them in ``buffer_dtype`` (``None``: unchanged fp32), values intact (P5, S12)."""
     ctx.seed(0)
-    model = ctx.impl.shard(BufferNet().to(ctx.device), ctx,
-                           mixed_precision={"buffer_dtype": buffer_dtype})
+    model = ctx.impl.shard(
+        BufferNet().to(ctx.device), ctx, mixed_precision={"buffer_dtype": buffer_dtype}
+    )
     model(torch.ones(2, 4, device=ctx.device))
     want = buffer_dtype or FP32_DTYPE
-    assert model.seen == [want], f"{ctx.where()} forward saw the buffer in {model.seen}, expected [{want}]"
+    assert model.seen == [want], (
+        f"{ctx.where()} forward saw the buffer in {model.seen}, expected [{want}]"
+    )
     (buf,) = [b for n, b in model.named_buffers() if n.endswith("shift")]
     assert buf.dtype == want and torch.equal(buf.float().cpu(), torch.full((3,), 0.5)), (
-        f"{ctx.where()} buffer after forward: {buf.dtype} {buf.tolist()}, expected {want} 0.5s")
+        f"{ctx.where()} buffer after forward: {buf.dtype} {buf.tolist()}, expected {want} 0.5s"
+    )

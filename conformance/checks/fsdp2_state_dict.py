@@ -62,7 +62,9 @@ def batch(ctx):
 def assert_values(ctx, model, expected, what):
     for fqn, param in model.named_parameters():
         full = param.full_tensor().detach().cpu()
-        assert torch.equal(full, expected[fqn]), f"{ctx.where()} {fqn} {what}: full_tensor() differs from the expected values"
+        assert torch.equal(full, expected[fqn]), (
+            f"{ctx.where()} {fqn} {what}: full_tensor() differs from the expected values"
+        )
 
 
 def assert_repadded(ctx, model, expected, what):
@@ -76,15 +78,19 @@ def assert_repadded(ctx, model, expected, what):
         padded = view.padded
         assert padded is not None, f"{ctx.where()} {fqn}: no padded storage exposed"
         assert padded.dim() == 1 and padded.numel() == chunk * row, (
-            f"{ctx.where()} {fqn} {what}: padded storage {tuple(padded.shape)}, expected ({chunk * row},)")
+            f"{ctx.where()} {fqn} {what}: padded storage {tuple(padded.shape)}, expected ({chunk * row},)"
+        )
         n = (end - start) * row
         assert torch.equal(padded[:n].cpu(), orig[start:end].reshape(-1)), (
-            f"{ctx.where()} {fqn} {what}: padded storage does not start with rows {start}:{end}")
+            f"{ctx.where()} {fqn} {what}: padded storage does not start with rows {start}:{end}"
+        )
         assert not padded[n:].any(), (
-            f"{ctx.where()} {fqn} {what}: padding {n}:{padded.numel()} is not zero: {padded[n:].tolist()[:6]}")
+            f"{ctx.where()} {fqn} {what}: padding {n}:{padded.numel()} is not zero: {padded[n:].tolist()[:6]}"
+        )
         if n:
             assert view.local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr(), (
-                f"{ctx.where()} {fqn} {what}: the local tensor does not alias the padded storage")
+                f"{ctx.where()} {fqn} {what}: the local tensor does not alias the padded storage"
+            )
 
 
 @check(area="fsdp2_state_dict", requires=REQ)
@@ -99,12 +105,17 @@ def state_dict_aliases_shards(ctx):
     assert list(sd) == list(plain), f"{ctx.where()} keys {list(sd)}, expected {list(plain)}"
     params = dict(model.named_parameters())
     for fqn, value in sd.items():
-        assert isinstance(value, DTensor), f"{ctx.where()} {fqn}: {type(value).__name__}, expected a DTensor"
+        assert isinstance(value, DTensor), (
+            f"{ctx.where()} {fqn}: {type(value).__name__}, expected a DTensor"
+        )
         local, plocal = value.to_local(), params[fqn].to_local()
         if plocal.numel():
             assert local.data_ptr() == plocal.data_ptr(), (
-                f"{ctx.where()} {fqn}: state_dict value is a copy (data_ptr differs from the parameter's)")
-        assert torch.equal(value.full_tensor().detach().cpu(), plain[fqn]), f"{ctx.where()} {fqn}: values differ"
+                f"{ctx.where()} {fqn}: state_dict value is a copy (data_ptr differs from the parameter's)"
+            )
+        assert torch.equal(value.full_tensor().detach().cpu(), plain[fqn]), (
+            f"{ctx.where()} {fqn}: values differ"
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(2):
         model(batch(ctx)).sum().backward()
@@ -112,9 +123,11 @@ def state_dict_aliases_shards(ctx):
         opt.zero_grad()
     for fqn, param in model.named_parameters():
         assert torch.equal(sd[fqn].to_local(), param.to_local()), (
-            f"{ctx.where()} {fqn}: the kept state_dict no longer shows the parameter after 2 steps")
+            f"{ctx.where()} {fqn}: the kept state_dict no longer shows the parameter after 2 steps"
+        )
         assert not torch.equal(param.full_tensor().detach().cpu(), plain[fqn]), (
-            f"{ctx.where()} {fqn}: training did not change the parameter (check is vacuous)")
+            f"{ctx.where()} {fqn}: training did not change the parameter (check is vacuous)"
+        )
 
 
 @check(area="fsdp2_state_dict", requires=REQ | {base.RESHARD_AFTER_FORWARD})
@@ -128,15 +141,22 @@ def state_dict_reshards_first(ctx):
     with torch.no_grad():
         model(batch(ctx))
     assert not isinstance(model.lin1.weight, DTensor), (
-        f"{ctx.where()} setup: lin1.weight is sharded after a reshard_after_forward=False forward")
+        f"{ctx.where()} setup: lin1.weight is sharded after a reshard_after_forward=False forward"
+    )
     sd = model.state_dict()
     for fqn, value in sd.items():
-        assert isinstance(value, DTensor), f"{ctx.where()} {fqn}: state_dict value {type(value).__name__}"
-        assert torch.equal(value.full_tensor().detach().cpu(), plain[fqn]), f"{ctx.where()} {fqn}: values differ"
+        assert isinstance(value, DTensor), (
+            f"{ctx.where()} {fqn}: state_dict value {type(value).__name__}"
+        )
+        assert torch.equal(value.full_tensor().detach().cpu(), plain[fqn]), (
+            f"{ctx.where()} {fqn}: values differ"
+        )
     for fqn, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{ctx.where()} {fqn}: not resharded by state_dict()"
-        assert sd[fqn].to_local().numel() == 0 or sd[fqn].to_local().data_ptr() == param.to_local().data_ptr(), (
-            f"{ctx.where()} {fqn}: state_dict value does not alias the resharded parameter")
+        assert (
+            sd[fqn].to_local().numel() == 0
+            or sd[fqn].to_local().data_ptr() == param.to_local().data_ptr()
+        ), f"{ctx.where()} {fqn}: state_dict value does not alias the resharded parameter"
 
 
 def foreign_dtensors(ctx, source: dict, garbage: float = 777.0):
@@ -153,13 +173,17 @@ def foreign_dtensors(ctx, source: dict, garbage: float = 777.0):
         n = (end - start) * row
         buf[:n] = full[start:end].reshape(-1).to(ctx.device)
         local = buf[:n].view(end - start, *full.shape[1:])
-        out[fqn] = DTensor.from_local(local, ctx.mesh, [Shard(0)], run_check=False,
-                                      shape=full.shape, stride=full.stride())
+        out[fqn] = DTensor.from_local(
+            local, ctx.mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
     return out
 
 
-@check(area="fsdp2_state_dict", requires=REQ | {base.PADDED_STORAGE},
-       cases={"copy": {"assign": False}, "assign": {"assign": True}})
+@check(
+    area="fsdp2_state_dict",
+    requires=REQ | {base.PADDED_STORAGE},
+    cases={"copy": {"assign": False}, "assign": {"assign": True}},
+)
 def load_dtensors(ctx, assign):
     """Loading DTensors with other values (whose storage holds garbage past the data) gives those
     values, re-padded storage with a zero tail, and the forward output of an unsharded model with
@@ -171,27 +195,36 @@ def load_dtensors(ctx, assign):
     before = dict(model.named_parameters())
     ptrs = {k: p.to_local().data_ptr() for k, p in before.items()}
     result = model.load_state_dict(foreign_dtensors(ctx, expected), assign=assign)
-    assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} load result {result}"
+    assert not result.missing_keys and not result.unexpected_keys, (
+        f"{ctx.where()} load result {result}"
+    )
     after = dict(model.named_parameters())
     for fqn in expected:
         if assign:
             assert after[fqn] is not before[fqn], (
-                f"{ctx.where()} {fqn}: load_state_dict(assign=True) kept the old Parameter object")
+                f"{ctx.where()} {fqn}: load_state_dict(assign=True) kept the old Parameter object"
+            )
         else:
-            assert after[fqn] is before[fqn], f"{ctx.where()} {fqn}: load (copy) replaced the Parameter"
+            assert after[fqn] is before[fqn], (
+                f"{ctx.where()} {fqn}: load (copy) replaced the Parameter"
+            )
             even = expected[fqn].shape[0] % ctx.world_size == 0
             if even and after[fqn].to_local().numel():
                 assert after[fqn].to_local().data_ptr() == ptrs[fqn], (
-                    f"{ctx.where()} {fqn}: load (copy) of an evenly sharded parameter moved its storage")
+                    f"{ctx.where()} {fqn}: load (copy) of an evenly sharded parameter moved its storage"
+                )
     assert_values(ctx, model, expected, "after load_state_dict")
     assert_repadded(ctx, model, expected, "after load_state_dict")
     out = model(batch(ctx))
     ref = target.to(ctx.device)(batch(ctx))
     assert torch.allclose(out.detach().cpu(), ref.detach().cpu(), rtol=1e-6, atol=1e-7), (
-        f"{ctx.where()} forward after loading differs from the unsharded model with the loaded values")
+        f"{ctx.where()} forward after loading differs from the unsharded model with the loaded values"
+    )
     out.sum().backward()
     for fqn, param in model.named_parameters():
-        assert param.grad is not None, f"{ctx.where()} {fqn}: no gradient after loading (assign={assign})"
+        assert param.grad is not None, (
+            f"{ctx.where()} {fqn}: no gradient after loading (assign={assign})"
+        )
 
 
 @check(area="fsdp2_state_dict", requires=REQ | {base.PADDED_STORAGE})
@@ -203,10 +236,13 @@ def assign_own_state_dict(ctx):
     ptrs = {k: p.to_local().data_ptr() for k, p in before.items()}
     model.load_state_dict(model.state_dict(), assign=True)
     for fqn, param in model.named_parameters():
-        assert param is not before[fqn], f"{ctx.where()} {fqn}: assign=True kept the old Parameter object"
+        assert param is not before[fqn], (
+            f"{ctx.where()} {fqn}: assign=True kept the old Parameter object"
+        )
         if param.to_local().numel():
             assert param.to_local().data_ptr() == ptrs[fqn], (
-                f"{ctx.where()} {fqn}: assigning the module's own (already padded) shard moved it")
+                f"{ctx.where()} {fqn}: assigning the module's own (already padded) shard moved it"
+            )
     assert_values(ctx, model, plain, "after assigning its own state dict")
     assert_repadded(ctx, model, plain, "after assigning its own state dict")
 
@@ -223,6 +259,9 @@ def plain_tensors_rejected(ctx):
         model.load_state_dict(sd)
     except RuntimeError as exc:
         assert re.search(r"Error\(s\) in loading state_dict", str(exc)), (
-            f"{ctx.where()} message {str(exc)[:200]!r} does not say 'Error(s) in loading state_dict'")
+            f"{ctx.where()} message {str(exc)[:200]!r} does not say 'Error(s) in loading state_dict'"
+        )
     else:
-        raise AssertionError(f"{ctx.where()} loading plain tensors was accepted; expected RuntimeError")
+        raise AssertionError(
+            f"{ctx.where()} loading plain tensors was accepted; expected RuntimeError"
+        )

@@ -42,8 +42,12 @@ class Chain(nn.Module):
 
     def __init__(self, tie: bool = False):
         super().__init__()
-        self.inp, self.a, self.b, self.out = (nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7),
-                                              nn.Linear(7, 3))
+        self.inp, self.a, self.b, self.out = (
+            nn.Linear(5, 7),
+            nn.Linear(7, 7),
+            nn.Linear(7, 7),
+            nn.Linear(7, 3),
+        )
         if tie:
             self.b.weight = self.a.weight
         self.reset_parameters()
@@ -83,11 +87,13 @@ def batch(ctx, step: int):
 def assert_close(ctx, what, got, expected, tol=TOL):
     got, expected = got.detach().cpu(), expected.detach().cpu()
     assert got.shape == expected.shape, (
-        f"{ctx.where()} {what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+        f"{ctx.where()} {what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    )
     if not torch.allclose(got.to(expected.dtype), expected, **tol):
         diff = (got.to(expected.dtype) - expected).abs().max().item()
-        raise AssertionError(f"{ctx.where()} {what}: max abs difference {diff:.3g} from the oracle "
-                             f"exceeds {tol}")
+        raise AssertionError(
+            f"{ctx.where()} {what}: max abs difference {diff:.3g} from the oracle exceeds {tol}"
+        )
 
 
 def assert_layout(ctx, model, full: dict[str, torch.Tensor], what: str):
@@ -95,8 +101,13 @@ def assert_layout(ctx, model, full: dict[str, torch.Tensor], what: str):
     for fqn, param in model.named_parameters():
         assert _is_dtensor(param), f"{ctx.where()} {fqn} {what}: registered {type(param).__name__}"
         expected = chunk_of(full[fqn], 0, ctx.world_size, ctx.rank)
-        assert_close(ctx, f"{fqn} local shard {what} (rows of chunk {ctx.rank})",
-                     param.to_local(), expected, dict(rtol=0, atol=0))
+        assert_close(
+            ctx,
+            f"{fqn} local shard {what} (rows of chunk {ctx.rank})",
+            param.to_local(),
+            expected,
+            dict(rtol=0, atol=0),
+        )
 
 
 def assert_padded(ctx, model, full: dict[str, torch.Tensor], what: str):
@@ -108,9 +119,15 @@ def assert_padded(ctx, model, full: dict[str, torch.Tensor], what: str):
         rows = chunk_of(full[fqn], 0, ctx.world_size, ctx.rank).reshape(-1)
         assert view.padded.dtype == full[fqn].dtype, (
             f"{ctx.where()} {fqn} {what}: padded storage dtype {view.padded.dtype}, expected "
-            f"{full[fqn].dtype}")
-        assert_close(ctx, f"{fqn} padded storage {what}", view.padded[: rows.numel()], rows,
-                     dict(rtol=0, atol=0))
+            f"{full[fqn].dtype}"
+        )
+        assert_close(
+            ctx,
+            f"{fqn} padded storage {what}",
+            view.padded[: rows.numel()],
+            rows,
+            dict(rtol=0, atol=0),
+        )
 
 
 def train_and_compare(ctx, model, oracle, steps: int, what: str, dtype=torch.float32):
@@ -128,14 +145,20 @@ def train_and_compare(ctx, model, oracle, steps: int, what: str, dtype=torch.flo
         for fqn, param in model.named_parameters():
             expected = chunk_of(oracle.get_parameter(fqn).grad, 0, ctx.world_size, ctx.rank)
             assert param.grad is not None, f"{ctx.where()} {what}: {fqn} has no gradient"
-            assert_close(ctx, f"{what}: step {step} sharded grad of {fqn}", param.grad.to_local(),
-                         expected)
+            assert_close(
+                ctx, f"{what}: step {step} sharded grad of {fqn}", param.grad.to_local(), expected
+            )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
     for fqn, param in model.named_parameters():
-        assert_close(ctx, f"{what}: {fqn} after {steps} steps", param.full_tensor(),
-                     oracle.get_parameter(fqn), dict(rtol=1e-4, atol=1e-5))
+        assert_close(
+            ctx,
+            f"{what}: {fqn} after {steps} steps",
+            param.full_tensor(),
+            oracle.get_parameter(fqn),
+            dict(rtol=1e-4, atol=1e-5),
+        )
 
 
 # ---------------------------------------------------------------------------------- tied parameters
@@ -143,11 +166,16 @@ TIED_ACROSS = {  # units sharded, children first; b.weight is a.weight
     "a-and-b": ["a", "b", ""],  # the tie spans two sibling groups
     "a-and-root": ["a", ""],  # b (and its tied weight) falls to the root group
 }
-SHARED_MSG = r"Parameter '(a|b)\.weight' is shared with a parameter already managed by another FSDP group"
+SHARED_MSG = (
+    r"Parameter '(a|b)\.weight' is shared with a parameter already managed by another FSDP group"
+)
 
 
-@check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS},
-       cases={k: {"units": v} for k, v in TIED_ACROSS.items()})
+@check(
+    area="lifecycle",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS},
+    cases={k: {"units": v} for k, v in TIED_ACROSS.items()},
+)
 def tied_across_groups_refused(ctx, units):
     """A parameter tied across two separate ``fully_shard`` groups is refused with ValueError
     "Parameter '<fqn>' is shared with a parameter already managed by another FSDP group ..." (naming
@@ -159,8 +187,14 @@ def tied_across_groups_refused(ctx, units):
             ctx.impl.ns.fully_shard(model.get_submodule(unit), mesh=ctx.mesh)
 
     x, _, mine = batch(ctx, 0)
-    expect_error(ctx, f"b.weight tied to a.weight, units {units}", ValueError, SHARED_MSG, shard,
-                 lambda: model(x[mine]))
+    expect_error(
+        ctx,
+        f"b.weight tied to a.weight, units {units}",
+        ValueError,
+        SHARED_MSG,
+        shard,
+        lambda: model(x[mine]),
+    )
 
 
 @check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING})
@@ -175,15 +209,21 @@ def tied_within_one_group(ctx):
     ns.fully_shard([model.a, model.b], mesh=ctx.mesh)
     ns.fully_shard(model, mesh=ctx.mesh)
     assert model.b.weight is model.a.weight, (
-        f"{ctx.where()} after fully_shard([a, b]) b.weight is no longer a.weight (tie broken)")
+        f"{ctx.where()} after fully_shard([a, b]) b.weight is no longer a.weight (tie broken)"
+    )
     assert_layout(ctx, model, full, "after fully_shard([a, b])")
     train_and_compare(ctx, model, oracle, 3, "tied within one group")
-    assert model.b.weight is model.a.weight, f"{ctx.where()} after training b.weight is not a.weight"
+    assert model.b.weight is model.a.weight, (
+        f"{ctx.where()} after training b.weight is not a.weight"
+    )
 
 
 # ---------------------------------------------------------------------------------- meta-device init
-@check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
-       cases={"nested": {"units": ["inp", "a", "b", "out", ""]}, "root": {"units": [""]}})
+@check(
+    area="lifecycle",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    cases={"nested": {"units": ["inp", "a", "b", "out", ""]}, "root": {"units": [""]}},
+)
 def meta_init_materialized(ctx, units):
     """A model built and sharded on the meta device, then ``to_empty(device)`` and
     the model's ``reset_parameters()``: every parameter is a DTensor on the device whose local shard holds the
@@ -201,7 +241,8 @@ def meta_init_materialized(ctx, units):
     full = {n: p.detach().clone() for n, p in oracle.named_parameters()}
     for fqn, param in model.named_parameters():
         assert param.device.type == ctx.device.type, (
-            f"{ctx.where()} {fqn}: on {param.device} after to_empty(device={ctx.device})")
+            f"{ctx.where()} {fqn}: on {param.device} after to_empty(device={ctx.device})"
+        )
     assert_layout(ctx, model, full, "after to_empty + reset_parameters")
     train_and_compare(ctx, model, oracle, 2, "meta init")
 
@@ -230,16 +271,23 @@ def _meta_forward(ctx):
 
 
 LAZY_INIT_ERRORS = {
-    "child-forward-first": (_child_forward_first,
-                            r"already been lazily initialized for a\b[\s\S]*root module first"),
+    "child-forward-first": (
+        _child_forward_first,
+        r"already been lazily initialized for a\b[\s\S]*root module first",
+    ),
     "two-module-root": (_two_module_root, r"requires a single root module"),
-    "meta-not-materialized": (_meta_forward,
-                              r"materialized from meta device[\s\S]*\['inp\.weight', 'inp\.bias'"),
+    "meta-not-materialized": (
+        _meta_forward,
+        r"materialized from meta device[\s\S]*\['inp\.weight', 'inp\.bias'",
+    ),
 }
 
 
-@check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS},
-       cases={k: {"name": k} for k in LAZY_INIT_ERRORS})
+@check(
+    area="lifecycle",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS},
+    cases={k: {"name": k} for k in LAZY_INIT_ERRORS},
+)
 def lazy_init_errors(ctx, name):
     """The first forward fails with upstream's RuntimeError when it cannot lazily initialise: a child
     ran forward before the root ('FSDP state has already been lazily initialized for a ... FSDP
@@ -258,8 +306,11 @@ CONVERSIONS = {
 }
 
 
-@check(area="lifecycle", requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
-       cases={k: {"name": k} for k in CONVERSIONS})
+@check(
+    area="lifecycle",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    cases={k: {"name": k} for k in CONVERSIONS},
+)
 def reset_after_dtype_conversion(ctx, name):
     """After ``module.to(dtype)`` / ``module.double()`` (``nn.Module._apply``) on a sharded model, the
     sharded parameters are DTensors of that dtype holding the rank's rows of the converted values, so
@@ -277,14 +328,20 @@ def reset_after_dtype_conversion(ctx, name):
     for fqn, param in model.named_parameters():
         assert param.dtype == dtype and param.to_local().dtype == dtype, (
             f"{ctx.where()} {fqn}: dtype {param.dtype} (local {param.to_local().dtype}) after "
-            f"{name}, expected {dtype}")
+            f"{name}, expected {dtype}"
+        )
     assert_layout(ctx, model, full, f"after {name}")
     assert_padded(ctx, model, full, f"after {name}")
     if dtype == torch.bfloat16:  # compare the forward only: bf16 steps drift from any oracle
         x, _, mine = batch(ctx, 0)
         with torch.no_grad():
-            assert_close(ctx, f"{name}: forward output", model(x[mine].to(dtype)),
-                         oracle(x[mine].to(dtype)), dict(rtol=1e-2, atol=1e-2))
+            assert_close(
+                ctx,
+                f"{name}: forward output",
+                model(x[mine].to(dtype)),
+                oracle(x[mine].to(dtype)),
+                dict(rtol=1e-2, atol=1e-2),
+            )
         return
     train_and_compare(ctx, model, oracle, 2, name, dtype=dtype)
 
@@ -310,6 +367,7 @@ def assign_load_after_forward(ctx):
     full = {n: p.detach().clone() for n, p in oracle.named_parameters()}
     for fqn, param in model.named_parameters():
         assert param is not before[fqn], (
-            f"{ctx.where()} {fqn}: still the old Parameter object after load_state_dict(assign=True)")
+            f"{ctx.where()} {fqn}: still the old Parameter object after load_state_dict(assign=True)"
+        )
     assert_layout(ctx, model, full, "after load_state_dict(assign=True)")
     train_and_compare(ctx, model, oracle, 2, "after an assign-load")

@@ -78,8 +78,12 @@ def observe_reduce_scatter():
 
         return spy
 
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
-                 "reduce_scatter"):
+    for name in (
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "reduce_scatter",
+    ):
         if hasattr(dist, name):
             originals[name] = getattr(dist, name)
             setattr(dist, name, wrap(name, originals[name]))
@@ -99,23 +103,47 @@ def build(ctx, mp, dtype=FP32, with_int=False):
 
 # (policy, original dtype) -> expected compute dtype and reduce-scatter dtype
 CASES = {
-    "bf16-fp32": {"mp": {"param_dtype": BF16, "reduce_dtype": FP32}, "orig": FP32,
-                  "compute": BF16, "reduce": FP32},
+    "bf16-fp32": {
+        "mp": {"param_dtype": BF16, "reduce_dtype": FP32},
+        "orig": FP32,
+        "compute": BF16,
+        "reduce": FP32,
+    },
     "bf16-none": {"mp": {"param_dtype": BF16}, "orig": FP32, "compute": BF16, "reduce": BF16},
-    "bf16-bf16": {"mp": {"param_dtype": BF16, "reduce_dtype": BF16}, "orig": FP32,
-                  "compute": BF16, "reduce": BF16},
+    "bf16-bf16": {
+        "mp": {"param_dtype": BF16, "reduce_dtype": BF16},
+        "orig": FP32,
+        "compute": BF16,
+        "reduce": BF16,
+    },
     "fp16-none": {"mp": {"param_dtype": FP16}, "orig": FP32, "compute": FP16, "reduce": FP16},
-    "fp32-bf16": {"mp": {"param_dtype": FP32, "reduce_dtype": BF16}, "orig": FP32,
-                  "compute": FP32, "reduce": BF16},
+    "fp32-bf16": {
+        "mp": {"param_dtype": FP32, "reduce_dtype": BF16},
+        "orig": FP32,
+        "compute": FP32,
+        "reduce": BF16,
+    },
     "none-bf16": {"mp": {"reduce_dtype": BF16}, "orig": FP32, "compute": FP32, "reduce": BF16},
-    "fp32-fp32": {"mp": {"param_dtype": FP32, "reduce_dtype": FP32}, "orig": FP32,
-                  "compute": FP32, "reduce": FP32},
+    "fp32-fp32": {
+        "mp": {"param_dtype": FP32, "reduce_dtype": FP32},
+        "orig": FP32,
+        "compute": FP32,
+        "reduce": FP32,
+    },
     # bf16 parameters: param_dtype=bf16 clamps to None, a fp32 reduce stays
-    "orig-bf16-bf16-fp32": {"mp": {"param_dtype": BF16, "reduce_dtype": FP32}, "orig": BF16,
-                            "compute": BF16, "reduce": FP32},
+    "orig-bf16-bf16-fp32": {
+        "mp": {"param_dtype": BF16, "reduce_dtype": FP32},
+        "orig": BF16,
+        "compute": BF16,
+        "reduce": FP32,
+    },
     # bf16 parameters upcast for compute
-    "orig-bf16-fp32-none": {"mp": {"param_dtype": FP32}, "orig": BF16, "compute": FP32,
-                            "reduce": FP32},
+    "orig-bf16-fp32-none": {
+        "mp": {"param_dtype": FP32},
+        "orig": BF16,
+        "compute": FP32,
+        "reduce": FP32,
+    },
 }
 
 
@@ -123,8 +151,11 @@ def _batch(ctx):
     return (distinct_values((2, 4), 9) / 100.0).to(ctx.device)
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
-       cases={k: {"name": k} for k in CASES})
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
+    cases={k: {"name": k} for k in CASES},
+)
 def compute_and_storage_dtypes(ctx, name):
     """Forward sees inputs and parameters in ``param_dtype or orig``; the output comes out in it; the
     sharded parameters and their sharded gradients stay in the original dtype."""
@@ -136,18 +167,28 @@ def compute_and_storage_dtypes(ctx, name):
         for what in ("input", "weight", "bias"):
             assert seen[what] == spec["compute"], (
                 f"{ctx.where()} {name}: {layer} saw its {what} in {seen[what]} during forward, "
-                f"expected {spec['compute']} (param_dtype or the original)")
-    assert out.dtype == spec["compute"], f"{ctx.where()} {name}: output dtype {out.dtype}, expected {spec['compute']}"
+                f"expected {spec['compute']} (param_dtype or the original)"
+            )
+    assert out.dtype == spec["compute"], (
+        f"{ctx.where()} {name}: output dtype {out.dtype}, expected {spec['compute']}"
+    )
     out.float().sum().backward()
     for fqn, param in model.named_parameters():
-        assert param.dtype == spec["orig"], f"{ctx.where()} {name}: sharded {fqn} dtype {param.dtype}, expected {spec['orig']}"
+        assert param.dtype == spec["orig"], (
+            f"{ctx.where()} {name}: sharded {fqn} dtype {param.dtype}, expected {spec['orig']}"
+        )
         assert param.grad is not None and param.grad.dtype == spec["orig"], (
             f"{ctx.where()} {name}: sharded grad of {fqn} dtype "
-            f"{None if param.grad is None else param.grad.dtype}, expected {spec['orig']}")
+            f"{None if param.grad is None else param.grad.dtype}, expected {spec['orig']}"
+        )
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
-       cases={k: {"name": k} for k in CASES}, min_world_size=2)
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
+    cases={k: {"name": k} for k in CASES},
+    min_world_size=2,
+)
 def reduce_scatter_dtype(ctx, name):
     """Gradients are reduce-scattered in ``reduce_dtype`` (after clamping), else the compute dtype:
     every reduce-scatter of the backward has input and output in that dtype."""
@@ -156,11 +197,15 @@ def reduce_scatter_dtype(ctx, name):
     out = model(_batch(ctx).to(spec["orig"]))
     with observe_reduce_scatter() as calls:
         out.float().sum().backward()
-    assert calls, (f"{ctx.where()} {name}: no reduce-scatter observed through "
-                   f"torch.distributed.reduce_scatter_single/_tensor during backward")
+    assert calls, (
+        f"{ctx.where()} {name}: no reduce-scatter observed through "
+        f"torch.distributed.reduce_scatter_single/_tensor during backward"
+    )
     bad = [c for c in calls if c != (spec["reduce"], spec["reduce"])]
-    assert not bad, (f"{ctx.where()} {name}: reduce-scatter (input, output) dtypes {calls}, expected "
-                     f"all {spec['reduce']}")
+    assert not bad, (
+        f"{ctx.where()} {name}: reduce-scatter (input, output) dtypes {calls}, expected "
+        f"all {spec['reduce']}"
+    )
 
 
 @check(area="mixed_precision", requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS, base.FSDP2_API})
@@ -171,14 +216,25 @@ def output_dtype_and_input_cast(ctx):
     ctx.seed(0)
     model = Net().to(ctx.device)
     for layer in ("l1", "l2"):
-        ns.fully_shard(model.get_submodule(layer), mesh=ctx.mesh,
-                       mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16))
-    ns.fully_shard(model, mesh=ctx.mesh, mp_policy=ns.MixedPrecisionPolicy(
-        param_dtype=BF16, output_dtype=FP32, cast_forward_inputs=False))
+        ns.fully_shard(
+            model.get_submodule(layer),
+            mesh=ctx.mesh,
+            mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
+        )
+    ns.fully_shard(
+        model,
+        mesh=ctx.mesh,
+        mp_policy=ns.MixedPrecisionPolicy(
+            param_dtype=BF16, output_dtype=FP32, cast_forward_inputs=False
+        ),
+    )
     out = model(_batch(ctx))
-    assert out.dtype == FP32, f"{ctx.where()} output dtype {out.dtype}, expected float32 (output_dtype)"
+    assert out.dtype == FP32, (
+        f"{ctx.where()} output dtype {out.dtype}, expected float32 (output_dtype)"
+    )
     assert model.l1.seen[-1]["input"] == BF16, (
-        f"{ctx.where()} l1 (cast_forward_inputs=True) saw its input in {model.l1.seen[-1]['input']}")
+        f"{ctx.where()} l1 (cast_forward_inputs=True) saw its input in {model.l1.seen[-1]['input']}"
+    )
     out.sum().backward()
 
 
@@ -189,15 +245,19 @@ def root_input_not_cast(ctx):
     ns = ctx.impl.ns
     ctx.seed(0)
     layer = Probe(4, 6, 0).to(ctx.device)
-    ns.fully_shard(layer, mesh=ctx.mesh, mp_policy=ns.MixedPrecisionPolicy(
-        param_dtype=BF16, cast_forward_inputs=False))
+    ns.fully_shard(
+        layer,
+        mesh=ctx.mesh,
+        mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=False),
+    )
     x = _batch(ctx)
     try:
         layer(x)
     except RuntimeError:
         pass  # F.linear may reject mixed dtypes; what forward saw is recorded first
     assert layer.seen[-1]["input"] == FP32 and layer.seen[-1]["weight"] == BF16, (
-        f"{ctx.where()} forward saw {layer.seen[-1]}, expected an fp32 input and bf16 parameters")
+        f"{ctx.where()} forward saw {layer.seen[-1]}, expected an fp32 input and bf16 parameters"
+    )
     layer.reshard()
 
 
@@ -208,10 +268,14 @@ def non_float_parameter(ctx):
     model = build(ctx, {"param_dtype": BF16}, FP32, with_int=True)
     out = model(_batch(ctx))
     assert model.seen_index[-1] == torch.int64, (
-        f"{ctx.where()} the int64 parameter was {model.seen_index[-1]} during forward, expected int64")
-    assert model.l1.seen[-1]["weight"] == BF16, f"{ctx.where()} l1.weight was {model.l1.seen[-1]['weight']}"
+        f"{ctx.where()} the int64 parameter was {model.seen_index[-1]} during forward, expected int64"
+    )
+    assert model.l1.seen[-1]["weight"] == BF16, (
+        f"{ctx.where()} l1.weight was {model.l1.seen[-1]['weight']}"
+    )
     out.float().sum().backward()
     index = model.index
     assert index.dtype == torch.int64, f"{ctx.where()} sharded int parameter dtype {index.dtype}"
     assert torch.equal(index.full_tensor().cpu(), torch.arange(5)), (
-        f"{ctx.where()} int parameter values after forward/backward: {index.full_tensor().tolist()}")
+        f"{ctx.where()} int parameter values after forward/backward: {index.full_tensor().tolist()}"
+    )

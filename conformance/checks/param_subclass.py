@@ -37,10 +37,17 @@ from conformance.checks.training import assert_close
 from conformance.registry import check
 
 aten = torch.ops.aten
-UPSTREAM_OPS = frozenset({
-    aten.add_.Tensor, aten.copy_.default, aten.detach.default, aten.new_zeros.default,
-    aten.slice.Tensor, aten.split.Tensor, aten.view.default,
-})
+UPSTREAM_OPS = frozenset(
+    {
+        aten.add_.Tensor,
+        aten.copy_.default,
+        aten.detach.default,
+        aten.new_zeros.default,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.view.default,
+    }
+)
 
 
 def allowed_ops(rows: int, world_size: int) -> frozenset:
@@ -59,8 +66,14 @@ class StrictTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, inner: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=inner.device, requires_grad=False)
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=inner.device,
+            requires_grad=False,
+        )
 
     def __init__(self, inner: torch.Tensor):
         self.inner = inner
@@ -80,10 +93,14 @@ class StrictTensor(torch.Tensor):
         if cls.allowed is None:
             cls.seen.add(func)
         elif func not in cls.allowed:
-            raise NotImplementedError(f"{cls.__name__} does not implement {func} (upstream FSDP2 "
-                                      "does not call it on this parameter)")
-        out = func(*tree_map_only(StrictTensor, lambda t: t.inner, args),
-                   **tree_map_only(StrictTensor, lambda t: t.inner, kwargs or {}))
+            raise NotImplementedError(
+                f"{cls.__name__} does not implement {func} (upstream FSDP2 "
+                "does not call it on this parameter)"
+            )
+        out = func(
+            *tree_map_only(StrictTensor, lambda t: t.inner, args),
+            **tree_map_only(StrictTensor, lambda t: t.inner, kwargs or {}),
+        )
         if func._schema.is_mutable and args and isinstance(args[0], StrictTensor):
             return args[0]  # in place: the wrapper's inner was mutated
         return tree_map_only(torch.Tensor, cls, out)
@@ -100,8 +117,10 @@ class StrictTensor(torch.Tensor):
     def fsdp_post_all_gather(self, outputs, rows, param_dtype, *, out=None):
         expected = 2 if self.two_inputs else 1
         if len(outputs) != expected:
-            raise AssertionError(f"fsdp_post_all_gather got {len(outputs)} all-gather output(s), "
-                                 f"expected the {expected} that fsdp_pre_all_gather returned")
+            raise AssertionError(
+                f"fsdp_post_all_gather got {len(outputs)} all-gather output(s), "
+                f"expected the {expected} that fsdp_pre_all_gather returned"
+            )
         full = sum(t[:rows] for t in outputs)
         if out is not None:
             with torch.no_grad():
@@ -135,9 +154,11 @@ def _inner(t: torch.Tensor) -> torch.Tensor:
 
 
 STEPS = 2
-CASES = {f"{inputs}-{rows}": {"cls": cls, "uneven": rows == "uneven"}
-         for inputs, cls in (("one-input", StrictTensor), ("two-inputs", SplitTensor))
-         for rows in ("even", "uneven")}
+CASES = {
+    f"{inputs}-{rows}": {"cls": cls, "uneven": rows == "uneven"}
+    for inputs, cls in (("one-input", StrictTensor), ("two-inputs", SplitTensor))
+    for rows in ("even", "uneven")
+}
 
 
 def _rows(world_size: int, uneven: bool) -> int:
@@ -166,8 +187,13 @@ def drive(ctx, cls: type[StrictTensor], uneven: bool) -> None:
         F.mse_loss(oracle(x), y).backward()  # the mean over ranks of the local losses
         for name, param in model.named_parameters():
             expected = chunk_of(oracle.get_parameter(name).grad, 0, ws, rank)
-            assert_close(ctx, f"step {step} {name} sharded grad", _inner(param.grad), expected,
-                         dict(rtol=1e-5, atol=1e-6))
+            assert_close(
+                ctx,
+                f"step {step} {name} sharded grad",
+                _inner(param.grad),
+                expected,
+                dict(rtol=1e-5, atol=1e-6),
+            )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
@@ -177,18 +203,31 @@ def drive(ctx, cls: type[StrictTensor], uneven: bool) -> None:
     fresh.load_state_dict(state_dict)
     for name in ("weight", "bias"):
         expected = chunk_of(oracle.get_parameter(name), 0, ws, rank)
-        for where, tensor in (("after the steps", model.get_parameter(name)),
-                              ("state dict", state_dict[name]),
-                              ("after loading the state dict", fresh.get_parameter(name))):
-            assert_close(ctx, f"{name} {where} (this rank's rows of the oracle's)",
-                         _inner(tensor), expected, dict(rtol=1e-5, atol=1e-6))
+        for where, tensor in (
+            ("after the steps", model.get_parameter(name)),
+            ("state dict", state_dict[name]),
+            ("after loading the state dict", fresh.get_parameter(name)),
+        ):
+            assert_close(
+                ctx,
+                f"{name} {where} (this rank's rows of the oracle's)",
+                _inner(tensor),
+                expected,
+                dict(rtol=1e-5, atol=1e-6),
+            )
     with torch.no_grad():
-        assert_close(ctx, "forward of the loaded model", fresh(x[mine]), oracle(x[mine]),
-                     dict(rtol=1e-5, atol=1e-6))
+        assert_close(
+            ctx,
+            "forward of the loaded model",
+            fresh(x[mine]),
+            oracle(x[mine]),
+            dict(rtol=1e-5, atol=1e-6),
+        )
 
 
-@check(area="param_subclass", requires={base.EXTENSIONS, base.TRAINING, base.FSDP2_API},
-       cases=CASES)
+@check(
+    area="param_subclass", requires={base.EXTENSIONS, base.TRAINING, base.FSDP2_API}, cases=CASES
+)
 def train_strict_subclass(ctx, cls, uneven):
     """A parameter subclass with only the ops upstream uses on it trains like the oracle (P14).
 

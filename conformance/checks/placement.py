@@ -55,8 +55,10 @@ def _forward_recording(module, x):
     """``module(x)`` and the output of each direct child (a weight gathered into the wrong layout
     shows in its own module's output, while the loss's gradients may hardly depend on it)."""
     seen = {}
-    hooks = [child.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
-             for name, child in module.named_children()]
+    hooks = [
+        child.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out))
+        for name, child in module.named_children()
+    ]
     try:
         return module(x), seen
     finally:
@@ -73,10 +75,13 @@ def _grads_and_values(ctx, model, oracle, x, what):
     out, seen = _forward_recording(model, x)
     oracle_out, oracle_seen = _forward_recording(oracle, x)
     for name, expected in oracle_seen.items():
-        assert torch.allclose(seen[name].detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=0), (
+        assert torch.allclose(
+            seen[name].detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=0
+        ), (
             f"{ctx.where()} {name} ({what}): forward output differs from the oracle's (max abs "
             f"difference {(seen[name].detach().cpu() - expected.detach().cpu()).abs().max():.3g}): "
-            "the unsharded parameters are not the original ones")
+            "the unsharded parameters are not the original ones"
+        )
     out.sum().backward()
     oracle_out.sum().backward()
     for fqn, param in model.named_parameters():
@@ -85,13 +90,16 @@ def _grads_and_values(ctx, model, oracle, x, what):
         grad = param.grad
         assert isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements), (
             f"{ctx.where()} {fqn} ({what}): gradient placements "
-            f"{getattr(grad, 'placements', type(grad).__name__)}, expected {param.placements}")
+            f"{getattr(grad, 'placements', type(grad).__name__)}, expected {param.placements}"
+        )
         expected = chunk_of(oracle.get_parameter(fqn).grad, placement.dim, ctx.world_size, ctx.rank)
         assert grad.to_local().shape == expected.shape, (
             f"{ctx.where()} {fqn} ({what}): local grad {tuple(grad.to_local().shape)}, expected "
-            f"{tuple(expected.shape)}")
+            f"{tuple(expected.shape)}"
+        )
         assert torch.allclose(grad.to_local().cpu(), expected.cpu(), rtol=1e-5, atol=1e-6), (
-            f"{ctx.where()} {fqn} ({what}): local grad differs from the oracle gradient's chunk")
+            f"{ctx.where()} {fqn} ({what}): local grad differs from the oracle gradient's chunk"
+        )
 
 
 def assert_placed(ctx, model, originals, dims, what):
@@ -101,15 +109,18 @@ def assert_placed(ctx, model, originals, dims, what):
         orig, dim = originals[fqn], dims[fqn]
         assert isinstance(param, DTensor), f"{ctx.where()} {fqn}: not a DTensor"
         assert tuple(param.placements) == (Shard(dim),), (
-            f"{ctx.where()} {fqn} ({what}): placements {param.placements}, expected (Shard({dim}),)")
+            f"{ctx.where()} {fqn} ({what}): placements {param.placements}, expected (Shard({dim}),)"
+        )
         assert tuple(param.shape) == tuple(orig.shape) and param.stride() == orig.stride(), (
             f"{ctx.where()} {fqn}: global size/stride {tuple(param.shape)}/{param.stride()}, expected "
-            f"{tuple(orig.shape)}/{orig.stride()}")
+            f"{tuple(orig.shape)}/{orig.stride()}"
+        )
         expected = chunk_of(orig, dim, ctx.world_size, ctx.rank)
         local = param.to_local().detach().cpu()
         assert local.shape == expected.shape and torch.equal(local, expected), (
             f"{ctx.where()} {fqn} ({what}): local {tuple(local.shape)} is not chunk {ctx.rank} of "
-            f"{ctx.world_size} on dim {dim} {tuple(expected.shape)}")
+            f"{ctx.world_size} on dim {dim} {tuple(expected.shape)}"
+        )
         assert local.is_contiguous(), f"{ctx.where()} {fqn}: local shard is not contiguous"
 
 
@@ -121,8 +132,11 @@ PLACEMENT_FNS = {
 }
 
 
-@check(area="placement", requires={base.SHARD_PLACEMENT_FN, base.DTENSOR_PARAMS, base.TRAINING},
-       cases={k: {"name": k} for k in PLACEMENT_FNS})
+@check(
+    area="placement",
+    requires={base.SHARD_PLACEMENT_FN, base.DTENSOR_PARAMS, base.TRAINING},
+    cases={k: {"name": k} for k in PLACEMENT_FNS},
+)
 def shard_placement_fn_layout(ctx, name):
     """shard_placement_fn's Shard(d) (Shard(-1) normalised to Shard(ndim-1)) gives each rank
     ``torch.chunk(p, ws, d)[rank]`` as a contiguous local tensor of a DTensor with the original size
@@ -134,15 +148,20 @@ def shard_placement_fn_layout(ctx, name):
     oracle = copy.deepcopy(model)
     originals = {n: p.detach().clone().cpu() for n, p in model.named_parameters()}
     dims = {n: pick(p) % p.ndim for n, p in model.named_parameters()}
-    model = ctx.impl.shard(model, ctx, plan=[("a", {}), ("b", {}), ("", {})],
-                           shard_placement_fn=lambda p: Shard(pick(p)))
+    model = ctx.impl.shard(
+        model,
+        ctx,
+        plan=[("a", {}), ("b", {}), ("", {})],
+        shard_placement_fn=lambda p: Shard(pick(p)),
+    )
     assert_placed(ctx, model, originals, dims, f"shard_placement_fn {name}")
     x = (distinct_values((2, 2 * ctx.world_size), 7) / 100.0).to(ctx.device)
     _grads_and_values(ctx, model, oracle, x, name)
     assert_placed(ctx, model, originals, dims, f"shard_placement_fn {name}, after backward")
     for fqn, param in model.named_parameters():
         assert torch.equal(param.full_tensor().detach().cpu(), originals[fqn]), (
-            f"{ctx.where()} {fqn}: full_tensor() differs from the original")
+            f"{ctx.where()} {fqn}: full_tensor() differs from the original"
+        )
 
 
 @check(area="placement", requires={base.DTENSOR_PARAMS, base.TRAINING}, min_world_size=2)
@@ -159,7 +178,8 @@ def empty_rank_shards(ctx):
         expect_rows = chunk_of(originals[fqn], 0, ws, ctx.rank).shape[0]
         if expect_rows == 0:
             assert param.to_local().shape == (0, *originals[fqn].shape[1:]), (
-                f"{ctx.where()} {fqn}: empty local shard has shape {tuple(param.to_local().shape)}")
+                f"{ctx.where()} {fqn}: empty local shard has shape {tuple(param.to_local().shape)}"
+            )
     x = (distinct_values((2, 6), 3) / 100.0).to(ctx.device)
     _grads_and_values(ctx, net, oracle, x, "dim 0 < world size")
 
@@ -199,10 +219,17 @@ def _error_case(ctx, name):
     return ParamBag([(4, ctx.world_size + 1)]), lambda p: Shard(1)  # uneven dim 1
 
 
-@check(area="placement", requires={base.SHARD_PLACEMENT_FN, base.FSDP2_API},
-       cases={k: {"name": k} for k in ERRORS if k != "uneven-dim1"})
-@check(area="placement", requires={base.SHARD_PLACEMENT_FN, base.FSDP2_API},
-       cases={"uneven-dim1": {"name": "uneven-dim1"}}, min_world_size=2)
+@check(
+    area="placement",
+    requires={base.SHARD_PLACEMENT_FN, base.FSDP2_API},
+    cases={k: {"name": k} for k in ERRORS if k != "uneven-dim1"},
+)
+@check(
+    area="placement",
+    requires={base.SHARD_PLACEMENT_FN, base.FSDP2_API},
+    cases={"uneven-dim1": {"name": "uneven-dim1"}},
+    min_world_size=2,
+)
 def invalid_placement_errors(ctx, name):
     """Invalid shard_placement_fn results raise at fully_shard on every rank with upstream's error
     type and meaning: Replicate() -> ValueError 'Invalid shard_placement_fn result'; Shard(d) with
@@ -214,10 +241,13 @@ def invalid_placement_errors(ctx, name):
         ctx.impl.ns.fully_shard(module.to(ctx.device), mesh=ctx.mesh, shard_placement_fn=fn)
     except exc_type as exc:
         assert re.search(pattern, str(exc)), (
-            f"{ctx.where()} {name}: message {str(exc)[:200]!r} does not say {pattern!r}")
+            f"{ctx.where()} {name}: message {str(exc)[:200]!r} does not say {pattern!r}"
+        )
     except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"{ctx.where()} {name}: raised {type(exc).__name__}: {str(exc)[:200]}, "
-                             f"expected {exc_type.__name__} matching {pattern!r}") from exc
+        raise AssertionError(
+            f"{ctx.where()} {name}: raised {type(exc).__name__}: {str(exc)[:200]}, "
+            f"expected {exc_type.__name__} matching {pattern!r}"
+        ) from exc
     else:
         raise AssertionError(f"{ctx.where()} {name}: accepted; expected {exc_type.__name__}")
 
@@ -237,17 +267,20 @@ def hsdp_placement_and_grads(ctx):
     for fqn, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{ctx.where()} {fqn}: not a DTensor"
         assert tuple(param.placements) == (Replicate(), Shard(0)), (
-            f"{ctx.where()} {fqn}: placements {param.placements}, expected (Replicate(), Shard(0))")
+            f"{ctx.where()} {fqn}: placements {param.placements}, expected (Replicate(), Shard(0))"
+        )
         expected = chunk_of(originals[fqn], 0, 2, ctx.rank % 2)
         assert torch.equal(param.to_local().detach().cpu(), expected), (
-            f"{ctx.where()} {fqn}: local {tuple(param.to_local().shape)} is not chunk {ctx.rank % 2} of 2")
+            f"{ctx.where()} {fqn}: local {tuple(param.to_local().shape)} is not chunk {ctx.rank % 2} of 2"
+        )
     xs = (distinct_values((4 * 2, 8), 5) / 100.0).to(ctx.device)
-    mine = xs[2 * ctx.rank: 2 * ctx.rank + 2]
+    mine = xs[2 * ctx.rank : 2 * ctx.rank + 2]
     model(mine).pow(2).mean().backward()
     for r in range(4):  # mean over ranks of each rank's mean loss
-        (oracle(xs[2 * r: 2 * r + 2]).pow(2).mean() / 4).backward()
+        (oracle(xs[2 * r : 2 * r + 2]).pow(2).mean() / 4).backward()
     for fqn, param in model.named_parameters():
         expected = chunk_of(oracle.get_parameter(fqn).grad, 0, 2, ctx.rank % 2)
         got = param.grad.to_local().detach().cpu()
-        assert got.shape == expected.shape and torch.allclose(got, expected.cpu(), rtol=1e-5, atol=1e-6), (
-            f"{ctx.where()} {fqn}: HSDP grad chunk differs from the all-rank mean gradient's chunk")
+        assert got.shape == expected.shape and torch.allclose(
+            got, expected.cpu(), rtol=1e-5, atol=1e-6
+        ), f"{ctx.where()} {fqn}: HSDP grad chunk differs from the all-rank mean gradient's chunk"

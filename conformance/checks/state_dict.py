@@ -69,7 +69,8 @@ def keys(ctx, kind):
     sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(build(ctx), kind))
     assert_clean_keys(ctx, sd)
     assert set(sd) == expected, (
-        f"{ctx.where()} {kind} keys: extra {sorted(set(sd) - expected)}, missing {sorted(expected - set(sd))}")
+        f"{ctx.where()} {kind} keys: extra {sorted(set(sd) - expected)}, missing {sorted(expected - set(sd))}"
+    )
 
 
 # -------------------------------------------------------------------------------------- values
@@ -77,7 +78,10 @@ FULL_CASES = {
     "full": {"kind": "full", "config": {}},
     "full-rank0_only": {"kind": "full", "config": {"rank0_only": True}},
     "full-offload_to_cpu": {"kind": "full", "config": {"offload_to_cpu": True}},
-    "full-rank0_only-offload_to_cpu": {"kind": "full", "config": {"rank0_only": True, "offload_to_cpu": True}},
+    "full-rank0_only-offload_to_cpu": {
+        "kind": "full",
+        "config": {"rank0_only": True, "offload_to_cpu": True},
+    },
     "dcp-full": {"kind": "dcp-full", "config": {}},
     "dcp-full-cpu_offload": {"kind": "dcp-full", "config": {"cpu_offload": True}},
 }
@@ -112,26 +116,36 @@ def full_values(ctx, kind, config):
             live.add(local.untyped_storage().data_ptr())
     rank0_only = config.get("rank0_only") or config.get("cpu_offload")
     if rank0_only and ctx.rank != 0:
-        assert sd == {}, f"{ctx.where()} rank0_only: expected {{}} on this rank, got keys {sorted(sd)[:6]}"
+        assert sd == {}, (
+            f"{ctx.where()} rank0_only: expected {{}} on this rank, got keys {sorted(sd)[:6]}"
+        )
         return
     assert_clean_keys(ctx, sd)
     assert set(sd) == set(expected), (
-        f"{ctx.where()} keys: extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
+        f"{ctx.where()} keys: extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}"
+    )
     offload = config.get("offload_to_cpu") or config.get("cpu_offload")
     device_type = "cpu" if offload else ctx.device.type
     params = dict(ref.named_parameters())
     for name, exp in expected.items():
         got = sd[name]
-        assert got.device.type == device_type, f"{ctx.where()} {name} on {got.device}, expected {device_type}"
+        assert got.device.type == device_type, (
+            f"{ctx.where()} {name} on {got.device}, expected {device_type}"
+        )
         assert_entry(ctx, name, got, exp, full=True, exact=False)
         if name in params and got.numel():
             assert got.untyped_storage().data_ptr() not in live, (
                 f"{ctx.where()} {name}: the state-dict tensor shares storage with a live parameter "
-                "(expected a clone)")
+                "(expected a clone)"
+            )
 
 
-@check(area=AREA, requires={base.TRAINING}, min_world_size=2,
-       cases={k: {"kind": k} for k in ("sharded", "dtensor", "dcp-sharded")})
+@check(
+    area=AREA,
+    requires={base.TRAINING},
+    min_world_size=2,
+    cases={k: {"kind": k} for k in ("sharded", "dtensor", "dcp-sharded")},
+)
 def sharded_values(ctx, kind):
     """S5/S6/P8: after two training steps each parameter's entry is a ShardedTensor or DTensor
     whose local piece equals rows [r*ceil(d0/ws), ...) of the unwrapped trained parameter, at that
@@ -157,29 +171,42 @@ def local_values(ctx):
     sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "local"))
     units = [fqn for fqn, _ in NET_PLAN]
     for unit in units:
-        owned = [(n, p) for n, p in plain.named_parameters()
-                 if (n.startswith(unit + ".") or unit == "")
-                 and not any(u != unit and u.startswith(unit) and n.startswith(u + ".") for u in units if u)]
+        owned = [
+            (n, p)
+            for n, p in plain.named_parameters()
+            if (n.startswith(unit + ".") or unit == "")
+            and not any(
+                u != unit and u.startswith(unit) and n.startswith(u + ".") for u in units if u
+            )
+        ]
         flat = torch.cat([p.detach().reshape(-1) for _, p in owned])
         start, end, chunk = flat_range(flat.numel(), ctx.world_size, ctx.rank)
         key = f"{unit}._flat_param" if unit else "_flat_param"
         got = sd.get(key)
-        assert isinstance(got, ShardedTensor), f"{ctx.where()} {key}: {type(got).__name__}, expected a ShardedTensor"
+        assert isinstance(got, ShardedTensor), (
+            f"{ctx.where()} {key}: {type(got).__name__}, expected a ShardedTensor"
+        )
         size = tuple(got.metadata().size)
         assert size == (flat.numel(),), (
             f"{ctx.where()} {key}: global size {size}, expected ({flat.numel()},) = unpadded numel of "
-            f"{[n for n, _ in owned]}")
+            f"{[n for n, _ in owned]}"
+        )
         shards = got.local_shards()
         if end == start:
-            assert not shards, f"{ctx.where()} {key}: pure-padding rank holds {len(shards)} local shard(s)"
+            assert not shards, (
+                f"{ctx.where()} {key}: pure-padding rank holds {len(shards)} local shard(s)"
+            )
             continue
         assert len(shards) == 1, f"{ctx.where()} {key}: {len(shards)} local shards, expected 1"
         offset = list(shards[0].metadata.shard_offsets)
-        assert offset == [chunk * ctx.rank], f"{ctx.where()} {key}: offset {offset}, expected [{chunk * ctx.rank}]"
+        assert offset == [chunk * ctx.rank], (
+            f"{ctx.where()} {key}: offset {offset}, expected [{chunk * ctx.rank}]"
+        )
         local = shards[0].tensor.detach().cpu()
         assert torch.equal(local, flat[start:end]), (
             f"{ctx.where()} {key}: local shard {local.tolist()[:6]} (numel {local.numel()}), expected "
-            f"elements {start}:{end} of the flattened parameters, padding stripped")
+            f"elements {start}:{end} of the flattened parameters, padding stripped"
+        )
 
 
 # ---------------------------------------------------------------------------------- round trips
@@ -201,7 +228,9 @@ def round_trip(ctx, kind, config):
     persistent buffers equal the saved ones; its non-persistent buffer keeps its own value. A
     rank-0-only dict is broadcast first, as upstream's tests do."""
     require_kind(ctx, kind)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(build(ctx, salt=0), kind, **config))
+    sd = first_error_everywhere(
+        ctx, lambda: ctx.impl.state_dict(build(ctx, salt=0), kind, **config)
+    )
     if config.get("rank0_only") or config.get("cpu_offload"):
         sd = broadcast_from_rank0(ctx, sd)
     dst = build(ctx, salt=1)
@@ -210,11 +239,14 @@ def round_trip(ctx, kind, config):
     assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
     scratch = [b for n, b in dst.named_buffers() if clean_fqn(n) == "scratch"]
     assert scratch and torch.equal(scratch[0].cpu(), Net(1).scratch), (
-        f"{ctx.where()} the non-persistent buffer changed on load (it is never saved)")
+        f"{ctx.where()} the non-persistent buffer changed on load (it is never saved)"
+    )
 
 
 BUFFER_CASES = dict(KIND_CASES)
-BUFFER_CASES |= {f"{k}-mixed_precision": {"kind": k, "mixed_precision": True} for k in ("full", "sharded")}
+BUFFER_CASES |= {
+    f"{k}-mixed_precision": {"kind": k, "mixed_precision": True} for k in ("full", "sharded")
+}
 
 
 @check(area=AREA, cases=BUFFER_CASES)
@@ -236,21 +268,27 @@ def buffers(ctx, kind, mixed_precision=False):
     for key in sd:
         assert not key.endswith("scratch"), f"{ctx.where()} non-persistent buffer saved as {key!r}"
     for name, exp in expected.items():
-        assert name in sd, f"{ctx.where()} persistent buffer {name} missing from the {kind} dict ({sorted(sd)})"
+        assert name in sd, (
+            f"{ctx.where()} persistent buffer {name} missing from the {kind} dict ({sorted(sd)})"
+        )
         assert_entry(ctx, name, sd[name], exp, full=True)
     if mixed_precision:  # S13: parameters are saved in their original dtype too
         for name, param in plain.named_parameters():
             assert_entry(ctx, name, sd[name], param.detach(), full=is_full_kind(ctx, kind))
     if mixed_precision and base.FLAT_PARAM in ctx.impl.capabilities:
         dtypes = {clean_fqn(n): b.dtype for n, b in model.named_buffers()}
-        assert dtypes["buf"] == torch.float16, f"{ctx.where()} module buffer dtype after save {dtypes}, expected fp16"
+        assert dtypes["buf"] == torch.float16, (
+            f"{ctx.where()} module buffer dtype after save {dtypes}, expected fp16"
+        )
     dst = build(ctx, salt=1, **options)
     if mixed_precision:
         dst(torch.ones(2, 4, device=ctx.device))
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
     got = {clean_fqn(n): b.detach().cpu().float() for n, b in dst.named_buffers()}
     for name, exp in expected.items():
-        assert torch.equal(got[name], exp), f"{ctx.where()} buffer {name} after load {got[name].tolist()} != {exp.tolist()}"
+        assert torch.equal(got[name], exp), (
+            f"{ctx.where()} buffer {name} after load {got[name].tolist()} != {exp.tolist()}"
+        )
 
 
 # ------------------------------------------------------------------------- model structures
@@ -260,11 +298,14 @@ def shared_params(ctx, kind):
     random_parameter) keep every alias key with the aliased value, and load back."""
     require_kind(ctx, kind)
     expected = plain_reference(TiedNet, 0)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(build(ctx, TiedNet, plan=None), kind))
+    sd = first_error_everywhere(
+        ctx, lambda: ctx.impl.state_dict(build(ctx, TiedNet, plan=None), kind)
+    )
     assert_clean_keys(ctx, sd)
     if kind != "local" or is_full_kind(ctx, kind):
         assert set(sd) == set(expected), (
-            f"{ctx.where()} keys: extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
+            f"{ctx.where()} keys: extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}"
+        )
         for name, exp in expected.items():
             assert_entry(ctx, name, sd[name], exp, full=is_full_kind(ctx, kind))
     dst = build(ctx, TiedNet, salt=1, plan=None)
@@ -287,24 +328,33 @@ def ignored_modules(ctx, kind):
     params = dict(Net().named_parameters())
     for name, exp in expected.items():
         ignored = name.startswith("outer.")
-        assert_entry(ctx, name, sd[name], exp, full=ignored or name not in params or is_full_kind(ctx, kind))
+        assert_entry(
+            ctx, name, sd[name], exp, full=ignored or name not in params or is_full_kind(ctx, kind)
+        )
     if is_full_kind(ctx, kind):
         live = raw.outer.weight
         assert sd["outer.weight"].data_ptr() == live.data_ptr(), (
-            f"{ctx.where()} ignored parameter outer.weight was cloned (expected the live tensor)")
+            f"{ctx.where()} ignored parameter outer.weight was cloned (expected the live tensor)"
+        )
         plain = Net(1)
         plain.load_state_dict(sd)
         for name, value in plain.state_dict().items():
-            assert torch.equal(value, expected[name]), f"{ctx.where()} unwrapped load: {name} differs"
+            assert torch.equal(value, expected[name]), (
+                f"{ctx.where()} unwrapped load: {name} differs"
+            )
     raw2 = Net(1).to(ctx.device)
     dst = ctx.impl.shard(raw2, ctx, plan=[("inner", {}), ("", {})], ignored_modules=[raw2.outer])
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
     assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
     assert torch.equal(raw2.outer.weight.detach().cpu(), expected["outer.weight"]), (
-        f"{ctx.where()} ignored parameter outer.weight not loaded")
+        f"{ctx.where()} ignored parameter outer.weight not loaded"
+    )
 
 
-@check(area=AREA, cases={k: {"kind": k} for k in ("full", "sharded", "dtensor", "dcp-full", "dcp-sharded")})
+@check(
+    area=AREA,
+    cases={k: {"kind": k} for k in ("full", "sharded", "dtensor", "dcp-full", "dcp-sharded")},
+)
 def activation_checkpoint(ctx, kind):
     """S16: a model whose ``inner`` is ``checkpoint_wrapper``-ed has the plain model's keys (no
     ``_checkpoint_wrapped_module``), and its dict loads into the plain model and back."""
@@ -326,8 +376,12 @@ def activation_checkpoint(ctx, kind):
     assert_loaded(ctx, dst_ac, expected, f"plain source -> AC destination ({kind})")
 
 
-@check(area=AREA, requires={base.FLAT_PARAM}, world_sizes=(1,),
-       cases={k: {"kind": k} for k in ("sharded", "local")})
+@check(
+    area=AREA,
+    requires={base.FLAT_PARAM},
+    world_sizes=(1,),
+    cases={k: {"kind": k} for k in ("sharded", "local")},
+)
 def world_size_one(ctx, kind):
     """S8: at world size 1 FSDP1 runs NO_SHARD, so SHARDED and LOCAL return FULL plain tensors
     (warning "full_state_dict will be returned"), and they load back."""
@@ -341,7 +395,8 @@ def world_size_one(ctx, kind):
         assert_entry(ctx, name, sd[name], exp, full=True)
     texts = [str(w.message) for w in caught]
     assert any("full_state_dict will be returned" in t for t in texts), (
-        f"{ctx.where()} no NO_SHARD warning ('full_state_dict will be returned'); got {texts[:3]}")
+        f"{ctx.where()} no NO_SHARD warning ('full_state_dict will be returned'); got {texts[:3]}"
+    )
     dst = build(ctx, salt=1)
     ctx.impl.load_state_dict(dst, sd, kind)
     assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict at world size 1")
@@ -363,19 +418,27 @@ def state_dict_type_context(ctx):
     assert current() == {T.FULL_STATE_DICT}, f"{ctx.where()} initial types {current()}"
     with FSDP.state_dict_type(model, T.LOCAL_STATE_DICT):
         assert current() == {T.LOCAL_STATE_DICT}, f"{ctx.where()} inside the context: {current()}"
-    assert current() == {T.FULL_STATE_DICT}, f"{ctx.where()} after the context: {current()}, expected FULL"
+    assert current() == {T.FULL_STATE_DICT}, (
+        f"{ctx.where()} after the context: {current()}, expected FULL"
+    )
     FSDP.set_state_dict_type(model, T.SHARDED_STATE_DICT)
     with FSDP.state_dict_type(model, T.LOCAL_STATE_DICT):
         pass
-    assert current() == {T.SHARDED_STATE_DICT}, f"{ctx.where()} after the context: {current()}, expected SHARDED"
+    assert current() == {T.SHARDED_STATE_DICT}, (
+        f"{ctx.where()} after the context: {current()}, expected SHARDED"
+    )
     try:
         with FSDP.state_dict_type(model, T.FULL_STATE_DICT, ns.LocalStateDictConfig()):
             pass
     except RuntimeError as exc:
         assert "Expected state_dict_config of type" in str(exc), f"{ctx.where()} message: {exc}"
     else:
-        raise AssertionError(f"{ctx.where()} FULL_STATE_DICT with LocalStateDictConfig did not raise")
-    assert current() == {T.SHARDED_STATE_DICT}, f"{ctx.where()} a failed state_dict_type changed the type: {current()}"
+        raise AssertionError(
+            f"{ctx.where()} FULL_STATE_DICT with LocalStateDictConfig did not raise"
+        )
+    assert current() == {T.SHARDED_STATE_DICT}, (
+        f"{ctx.where()} a failed state_dict_type changed the type: {current()}"
+    )
 
 
 # ----------------------------------------------------------------------------- loading errors
@@ -389,17 +452,25 @@ def incompatible_keys(ctx, kind):
     del sd["inner.weight"]
     sd["unexpected"] = torch.zeros(1, device=ctx.device)
     dst = build(ctx, salt=1)
-    result = first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind, strict=False))
+    result = first_error_everywhere(
+        ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind, strict=False)
+    )
     missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
-    assert missing == ["inner.weight"], f"{ctx.where()} missing keys {missing}, expected ['inner.weight']"
-    assert unexpected == ["unexpected"], f"{ctx.where()} unexpected keys {unexpected}, expected ['unexpected']"
+    assert missing == ["inner.weight"], (
+        f"{ctx.where()} missing keys {missing}, expected ['inner.weight']"
+    )
+    assert unexpected == ["unexpected"], (
+        f"{ctx.where()} unexpected keys {unexpected}, expected ['unexpected']"
+    )
 
 
 def _bad_wrong_shape(ctx, sd, kind):
     if kind == "dtensor":
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        sd["outer.weight"] = distribute_tensor(torch.zeros(3, 3, device=ctx.device), ctx.mesh, [Shard(0)])
+        sd["outer.weight"] = distribute_tensor(
+            torch.zeros(3, 3, device=ctx.device), ctx.mesh, [Shard(0)]
+        )
     else:
         sd["outer.weight"] = torch.zeros(3, 3, device=ctx.device)
 
@@ -425,8 +496,11 @@ BAD_INPUT_CASES = {
 
 
 # what the error must name: the offending key, or the tensor type the kind expects
-BAD_INPUT_NAMES = {"wrong_shape": r"outer\.weight", "missing_key": r"inner\.bias",
-                   "plain_tensors": r"ShardedTensor|DTensor"}
+BAD_INPUT_NAMES = {
+    "wrong_shape": r"outer\.weight",
+    "missing_key": r"inner\.bias",
+    "plain_tensors": r"ShardedTensor|DTensor",
+}
 
 
 @check(area=AREA, cases=BAD_INPUT_CASES)
@@ -442,8 +516,11 @@ def bad_input(ctx, kind, bad, strict=False):
     if kind == "local" and bad == "plain_tensors":
         sd = {k: torch.zeros(v.size()) if hasattr(v, "local_shards") else v for k, v in sd.items()}
     else:
-        {"wrong_shape": _bad_wrong_shape, "missing_key": _bad_missing_key,
-         "plain_tensors": _bad_plain_tensors}[bad](ctx, sd, kind)
+        {
+            "wrong_shape": _bad_wrong_shape,
+            "missing_key": _bad_missing_key,
+            "plain_tensors": _bad_plain_tensors,
+        }[bad](ctx, sd, kind)
     dst = build(ctx, salt=1)
     if strict:
         before = full_params(ctx, dst)
@@ -460,13 +537,18 @@ def bad_input(ctx, kind, bad, strict=False):
     else:
         errors = [error]
     raised = [e is not None for e in errors]
-    assert all(raised), f"{ctx.where()} loading a {kind} dict with {bad}: raised on ranks {raised} (expected all)"
+    assert all(raised), (
+        f"{ctx.where()} loading a {kind} dict with {bad}: raised on ranks {raised} (expected all)"
+    )
     assert re.search(BAD_INPUT_NAMES[bad], error), (
         f"{ctx.where()} loading a {kind} dict with {bad}: the error {error[:300]!r} does not name "
-        f"{BAD_INPUT_NAMES[bad]!r}")
+        f"{BAD_INPUT_NAMES[bad]!r}"
+    )
     if not strict:
         return
     after = full_params(ctx, dst)
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    changed += sorted(n for n, b in dst.named_buffers() if not torch.equal(b.detach().cpu(), buffers_before[n]))
+    changed += sorted(
+        n for n, b in dst.named_buffers() if not torch.equal(b.detach().cpu(), buffers_before[n])
+    )
     assert not changed, f"{ctx.where()} the failed {kind} load ({bad}) changed {changed}"

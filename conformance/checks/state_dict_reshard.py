@@ -125,15 +125,19 @@ def _produce(ctx, spec: str, w1: int, directory: Path, deadline: float) -> None:
     # A rank that wrote its marker finished its part (the barrier after the writes passed); a
     # non-zero exit after that is process teardown (seen once: gloo's threads aborting the
     # interpreter at exit under load) and does not spoil the checkpoint.
-    failed = [(r, p.exitcode, logs[r].read_text(errors="replace")[-6000:] if logs[r].exists() else "")
-              for r, p in enumerate(procs)
-              if p.exitcode != 0 and not (tmp / f"rank{r}.done").exists()]
+    failed = [
+        (r, p.exitcode, logs[r].read_text(errors="replace")[-6000:] if logs[r].exists() else "")
+        for r, p in enumerate(procs)
+        if p.exitcode != 0 and not (tmp / f"rank{r}.done").exists()
+    ]
     for log in logs:
         log.unlink(missing_ok=True)
     if failed:
         why = "did not finish in time and was killed; its ranks' stacks" if hung else "failed"
-        raise RuntimeError(f"the world-size-{w1} save job {why}:\n" + "\n".join(
-            f"--- rank {r} (exit {code}):\n{out}" for r, code, out in failed))
+        raise RuntimeError(
+            f"the world-size-{w1} save job {why}:\n"
+            + "\n".join(f"--- rank {r} (exit {code}):\n{out}" for r, code, out in failed)
+        )
     tmp.rename(directory)
 
 
@@ -171,7 +175,9 @@ def checkpoint_dir(ctx, w1: int) -> Path:
     ctx.barrier()
     if not directory.exists():
         text = error_file.read_text() if error_file.exists() else "no result within the deadline"
-        raise AssertionError(f"{ctx.where()} could not write the world-size-{w1} checkpoint: {text}")
+        raise AssertionError(
+            f"{ctx.where()} could not write the world-size-{w1} checkpoint: {text}"
+        )
     return directory
 
 
@@ -197,18 +203,24 @@ def _save_rank(directory, spec, ws, rank, port, device, backend, log_path) -> No
         module = torch.get_device_module(dev.type)
         module.set_device(rank % module.device_count())
         dev = torch.device(dev.type, module.current_device())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws
+    )
     try:
         impl = load_implementation(spec)
         ctx = CheckContext(rank=rank, world_size=ws, device=dev, backend=backend, impl=impl)
         model = impl.shard(Net(0).to(dev), ctx, plan=NET_PLAN)
-        dcp.save(impl.state_dict(model, sharded_kind(impl)), checkpoint_id=os.path.join(directory, "dcp"))
+        dcp.save(
+            impl.state_dict(model, sharded_kind(impl)), checkpoint_id=os.path.join(directory, "dcp")
+        )
         if base.LOCAL_STATE_DICT in impl.capabilities and ws > 1:
             pieces = {}
             for key, value in impl.state_dict(model, "local").items():
                 if hasattr(value, "local_shards"):
                     shards = value.local_shards()
-                    local = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in shards]
+                    local = [
+                        (list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in shards
+                    ]
                     pieces[key] = ("flat", tuple(value.metadata().size), local)
                 else:
                     pieces[key] = ("plain", None, value.detach().cpu())
@@ -235,7 +247,9 @@ def reshard_dcp(ctx, w1):
     sd = ctx.impl.state_dict(dst, kind)
     first_error_everywhere(ctx, lambda: dcp.load(sd, checkpoint_id=str(directory / "dcp")))
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    assert_loaded(ctx, dst, plain_reference(Net, 0), f"after loading the world-size-{w1} checkpoint")
+    assert_loaded(
+        ctx, dst, plain_reference(Net, 0), f"after loading the world-size-{w1} checkpoint"
+    )
 
 
 @check(area=AREA, requires={base.LOCAL_STATE_DICT}, world_sizes=(2,), timeout=_JOB_TIMEOUT + 60)
@@ -256,7 +270,7 @@ def local_reshard_4_to_2(ctx):
         full = torch.zeros(size, dtype=torch.float32)
         for pieces in per_rank:
             for offsets, tensor in pieces[key][2]:
-                full[offsets[0]: offsets[0] + tensor.numel()] = tensor
+                full[offsets[0] : offsets[0] + tensor.numel()] = tensor
         start, end, _ = flat_range(size[0], ctx.world_size, ctx.rank)
         shards = []
         if end > start:
@@ -286,7 +300,9 @@ def interop_full(ctx, partner):
         try:
             other = load_implementation(partner)
         except ImplementationLoadError as exc:
-            raise NotSupported(f"partner {partner} unavailable: {str(exc).splitlines()[0]}") from exc
+            raise NotSupported(
+                f"partner {partner} unavailable: {str(exc).splitlines()[0]}"
+            ) from exc
         theirs = full_kind(other)
     # this implementation -> partner
     sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(build(ctx, salt=0), mine))
@@ -296,17 +312,23 @@ def interop_full(ctx, partner):
         plain.load_state_dict({k: v.cpu() for k, v in sd.items()})  # strict
         got = plain_reference_of(plain)
         for k, v in expected.items():
-            assert torch.equal(got[k], v), f"{ctx.where()} unwrapped model after loading: {k} differs"
+            assert torch.equal(got[k], v), (
+                f"{ctx.where()} unwrapped model after loading: {k} differs"
+            )
     else:
         dst = build(ctx, salt=1, impl=other)
         first_error_everywhere(ctx, lambda: other.load_state_dict(dst, sd, theirs))
-        assert_loaded(ctx, dst, expected, f"{partner} after loading {ctx.impl.name}'s {mine} dict", impl=other)
+        assert_loaded(
+            ctx, dst, expected, f"{partner} after loading {ctx.impl.name}'s {mine} dict", impl=other
+        )
     # partner -> this implementation
     expected = plain_reference(Net, 2)
     if other is None:
         sd = {k: v.to(ctx.device) for k, v in Net(2).state_dict().items()}
     else:
-        sd = first_error_everywhere(ctx, lambda: other.state_dict(build(ctx, salt=2, impl=other), theirs))
+        sd = first_error_everywhere(
+            ctx, lambda: other.state_dict(build(ctx, salt=2, impl=other), theirs)
+        )
     dst = build(ctx, salt=3)
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, mine))
     assert_loaded(ctx, dst, expected, f"{ctx.impl.name} after loading {partner}'s full dict")
@@ -314,4 +336,3 @@ def interop_full(ctx, partner):
 
 def plain_reference_of(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-

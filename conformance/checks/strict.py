@@ -86,7 +86,9 @@ def forward_on_meta_params(ctx):
 
 # ------------------------------------------------------------- X2: a correct retry works
 RETRY_CASES = {
-    "after-3d-mesh": {"bad": lambda ctx: {"mesh": ctx.make_mesh((ctx.world_size, 1, 1), ("a", "b", "c"))}},
+    "after-3d-mesh": {
+        "bad": lambda ctx: {"mesh": ctx.make_mesh((ctx.world_size, 1, 1), ("a", "b", "c"))}
+    },
     "after-bad-reshard": {"bad": lambda ctx: {"mesh": ctx.mesh, "reshard_after_forward": "yes"}},
 }
 
@@ -109,9 +111,11 @@ def valid_call_after_rejection(ctx, name):
     for fqn, param in model.named_parameters():
         assert isinstance(param, DTensor), (
             f"{ctx.where()} {fqn}: a valid fully_shard after the rejected one did not shard it "
-            f"(got {type(param).__name__}, expected a DTensor)")
+            f"(got {type(param).__name__}, expected a DTensor)"
+        )
         assert torch.equal(param.full_tensor().detach().cpu(), originals[fqn]), (
-            f"{ctx.where()} {fqn}: values differ from the originals after the valid fully_shard")
+            f"{ctx.where()} {fqn}: values differ from the originals after the valid fully_shard"
+        )
 
 
 # ------------------------------------------------------------- X3: a failed load changes nothing

@@ -53,10 +53,12 @@ def _placements():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return {"in_proj.weight": (_StridedShard(0, split_factor=TP), Shard(0)),
-            "in_proj.bias": (_StridedShard(0, split_factor=TP), Shard(0)),
-            "out_proj.weight": (Shard(0), Shard(1)),
-            "out_proj.bias": (Shard(0), Replicate())}
+    return {
+        "in_proj.weight": (_StridedShard(0, split_factor=TP), Shard(0)),
+        "in_proj.bias": (_StridedShard(0, split_factor=TP), Shard(0)),
+        "out_proj.weight": (Shard(0), Shard(1)),
+        "out_proj.bias": (Shard(0), Replicate()),
+    }
 
 
 TP_DIM = {"in_proj.weight": 0, "in_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None}
@@ -74,8 +76,9 @@ def _build(ctx, dim, hidden, seed=0):
     ctx.seed(seed)
     model = TPMLP(dim, hidden).to(ctx.device)
     oracle = copy.deepcopy(model)
-    parallelize_module(model, mesh["tp"],
-                       {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    parallelize_module(
+        model, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+    )
     ctx.impl.ns.fully_shard(model, mesh=mesh["dp"])
     return model, oracle, mesh
 
@@ -96,14 +99,22 @@ def _check_values(ctx, what, params, oracle):
         param, full = params[name], oracle.get_parameter(name).detach()
         assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, (
             f"{ctx.where()} {what} {name}: expected a DTensor on the 2-D (dp, tp) mesh, got "
-            f"{type(param).__name__} on {getattr(param, 'device_mesh', None)}")
+            f"{type(param).__name__} on {getattr(param, 'device_mesh', None)}"
+        )
         assert tuple(param.placements) == placements, (
-            f"{ctx.where()} {what} {name}: placements {param.placements}, expected {placements}")
+            f"{ctx.where()} {what} {name}: placements {param.placements}, expected {placements}"
+        )
         assert tuple(param.shape) == tuple(full.shape), (
             f"{ctx.where()} {what} {name}: global shape {tuple(param.shape)}, expected "
-            f"{tuple(full.shape)}")
-        assert_close(ctx, f"{what} {name} local shard (dp chunk of the tp chunk)",
-                     param.to_local(), _expected_local(ctx, name, full), TOL)
+            f"{tuple(full.shape)}"
+        )
+        assert_close(
+            ctx,
+            f"{what} {name} local shard (dp chunk of the tp chunk)",
+            param.to_local(),
+            _expected_local(ctx, name, full),
+            TOL,
+        )
         assert_close(ctx, f"{what} {name} full_tensor()", param.full_tensor(), full, TOL)
 
 
@@ -124,18 +135,28 @@ def _train(ctx, model, oracle, dim, steps=STEPS):
         loss.backward()
         oloss = F.mse_loss(oracle(x), y)
         oloss.backward()
-        assert_close(ctx, f"step {step} loss", loss,
-                     F.mse_loss(oracle(x[mine]).detach(), y[mine]), TOL)
+        assert_close(
+            ctx, f"step {step} loss", loss, F.mse_loss(oracle(x[mine]).detach(), y[mine]), TOL
+        )
         for name, param in model.named_parameters():
-            assert_close(ctx, f"step {step} {name} gradient (full_tensor)",
-                         param.grad.full_tensor(), oracle.get_parameter(name).grad, TOL)
+            assert_close(
+                ctx,
+                f"step {step} {name} gradient (full_tensor)",
+                param.grad.full_tensor(),
+                oracle.get_parameter(name).grad,
+                TOL,
+            )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
 
 
-@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.FSDP2_API},
-       world_sizes=(4,), cases=CASES)
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.FSDP2_API},
+    world_sizes=(4,),
+    cases=CASES,
+)
 def layout(ctx, dim, hidden):
     """FSDP over TP parameters: (dp, tp) placements, dp chunk of the TP-local tensor (P15).
 
@@ -146,8 +167,12 @@ def layout(ctx, dim, hidden):
     _check_values(ctx, "after fully_shard", dict(model.named_parameters()), oracle)
 
 
-@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
-       world_sizes=(4,), cases=CASES)
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
+    world_sizes=(4,),
+    cases=CASES,
+)
 def train_parity(ctx, dim, hidden):
     """FSDP over TP trains like the plain model on the whole batch (P15, P6).
 
@@ -158,8 +183,12 @@ def train_parity(ctx, dim, hidden):
     _check_values(ctx, f"after {STEPS} steps", dict(model.named_parameters()), oracle)
 
 
-@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
-       world_sizes=(4,), cases=CASES)
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
+    world_sizes=(4,),
+    cases=CASES,
+)
 def state_dict_round_trip(ctx, dim, hidden):
     """An FSDP+TP state dict holds the 2-D DTensors and round-trips (P15, P8).
 
@@ -177,8 +206,11 @@ def state_dict_round_trip(ctx, dim, hidden):
         assert_close(ctx, "forward of the loaded model", fresh(x[mine]), oracle(x[mine]), TOL)
 
 
-@check(area="tensor_parallel", requires={base.TENSOR_PARALLEL, base.RESHARD_AFTER_FORWARD,
-                                          base.FSDP2_API}, world_sizes=(4,))
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.RESHARD_AFTER_FORWARD, base.FSDP2_API},
+    world_sizes=(4,),
+)
 def no_smaller_mesh_reshard(ctx):
     """Resharding TP parameters after forward to a smaller mesh raises NotImplementedError (P3).
 
@@ -197,7 +229,10 @@ def no_smaller_mesh_reshard(ctx):
         model(x)
     except NotImplementedError as e:
         assert "Resharding to smaller mesh is not supported for DTensor parameters" in str(e), (
-            f"{ctx.where()} NotImplementedError with an unexpected message: {e}")
+            f"{ctx.where()} NotImplementedError with an unexpected message: {e}"
+        )
         return
-    raise AssertionError(f"{ctx.where()} forward with reshard_after_forward=2 over TP parameters "
-                         "ran; expected NotImplementedError (resharding to a smaller mesh)")
+    raise AssertionError(
+        f"{ctx.where()} forward with reshard_after_forward=2 over TP parameters "
+        "ran; expected NotImplementedError (resharding to a smaller mesh)"
+    )

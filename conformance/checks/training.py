@@ -30,8 +30,11 @@ from conformance.registry import Skip, check
 
 B = 2  # samples per rank per step
 STEPS = 3
-FP32 = {"loss": dict(rtol=1e-5, atol=1e-6), "grad": dict(rtol=1e-5, atol=1e-6),
-        "param": dict(rtol=1e-4, atol=1e-5)}
+FP32 = {
+    "loss": dict(rtol=1e-5, atol=1e-6),
+    "grad": dict(rtol=1e-5, atol=1e-6),
+    "param": dict(rtol=1e-4, atol=1e-5),
+}
 
 
 class MLP(nn.Module):
@@ -99,8 +102,14 @@ class Wide(nn.Module):
         return self.out(torch.tanh(self.inp(x))).sum(dim=1, keepdim=True)
 
 
-MODELS = {"mlp": MLP, "tiny": Tiny, "tied": TiedLM, "empty": WithEmpty,
-          "wide4": lambda: Wide(4), "wide1": lambda: Wide(1)}
+MODELS = {
+    "mlp": MLP,
+    "tiny": Tiny,
+    "tied": TiedLM,
+    "empty": WithEmpty,
+    "wide4": lambda: Wide(4),
+    "wide1": lambda: Wide(1),
+}
 PLANS = {
     "root": None,
     "nested": [("inp", {}), ("out", {}), ("", {})],  # children first, root last
@@ -123,8 +132,11 @@ def make_batch(model_name: str, ws: int, step: int, device):
 def per_sample_loss(model_name: str, out, y):
     """Loss per sample (mean over the sample's elements)."""
     if model_name == "tied":
-        return F.cross_entropy(out.flatten(0, 1).float(), y.flatten(), reduction="none").view(
-            y.shape).mean(dim=1)
+        return (
+            F.cross_entropy(out.flatten(0, 1).float(), y.flatten(), reduction="none")
+            .view(y.shape)
+            .mean(dim=1)
+        )
     return ((out.float() - y) ** 2).mean(dim=1)
 
 
@@ -147,14 +159,26 @@ def named_unique(model):
 
 def assert_close(ctx, what, actual, expected, tol):
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
-    assert actual.shape == expected.shape, f"{ctx.where()} {what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{ctx.where()} {what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     if not torch.allclose(actual, expected, **tol):
         diff = (actual - expected).abs().max().item()
         raise AssertionError(f"{ctx.where()} {what}: max abs difference {diff:.3g} exceeds {tol}")
 
 
-def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, options=None,
-               accumulate=1, mp_tolerance=False, after_shard=None, shards=None):
+def run_parity(
+    ctx,
+    model_name="mlp",
+    plan="root",
+    optim="sgd",
+    steps=STEPS,
+    options=None,
+    accumulate=1,
+    mp_tolerance=False,
+    after_shard=None,
+    shards=None,
+):
     """Train the sharded model and the oracle side by side and compare (see the module Note).
 
     ``accumulate``: micro-batches per optimizer step; all but the last run with gradient sync off
@@ -176,8 +200,10 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
     mine = slice(rank * B, (rank + 1) * B)
     for step in range(steps):
         if mp_tolerance:
-            before = {n: p.detach().full_tensor().cpu().float().clone()  # never alias the param
-                      for n, p in named_unique(model)}
+            before = {
+                n: p.detach().full_tensor().cpu().float().clone()  # never alias the param
+                for n, p in named_unique(model)
+            }
             obefore = {n: p.detach().clone().cpu() for n, p in named_unique(oracle)}
         for micro in range(accumulate):
             x, y = make_batch(model_name, ws, step * accumulate + micro, ctx.device)
@@ -189,19 +215,27 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
             (oloss_all.mean()).backward()  # mean over ws*B == mean of the ranks' local means
             loss.backward()
             tol = dict(rtol=2e-2, atol=1e-3) if mp_tolerance else FP32["loss"]
-            assert_close(ctx, f"step {step} micro-batch {micro} loss", loss,
-                         oloss_all[mine].mean(), tol)
+            assert_close(
+                ctx, f"step {step} micro-batch {micro} loss", loss, oloss_all[mine].mean(), tol
+            )
         if not mp_tolerance:
             for name, param in named_unique(model):
                 if oracle.get_parameter(name).grad is None:
                     continue
                 grad = param.grad
                 assert isinstance(grad, DTensor), (
-                    f"{ctx.where()} {name}: sharded grad is {type(grad).__name__}, expected a DTensor")
-                expected = local_chunk(oracle.get_parameter(name).grad, shard_dim(param), parts,
-                                       index)
-                assert_close(ctx, f"step {step} {name} sharded grad (vs the oracle's mean-gradient chunk)",
-                             grad.to_local(), expected, FP32["grad"])
+                    f"{ctx.where()} {name}: sharded grad is {type(grad).__name__}, expected a DTensor"
+                )
+                expected = local_chunk(
+                    oracle.get_parameter(name).grad, shard_dim(param), parts, index
+                )
+                assert_close(
+                    ctx,
+                    f"step {step} {name} sharded grad (vs the oracle's mean-gradient chunk)",
+                    grad.to_local(),
+                    expected,
+                    FP32["grad"],
+                )
         opt.step()
         oopt.step()
         opt.zero_grad()
@@ -214,7 +248,8 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
                 scale = oupdate.norm().item()
                 assert err <= 0.05 * scale + 1e-6, (
                     f"{ctx.where()} {name} step {step}: update differs from the fp32 oracle's by "
-                    f"{err:.3g} (norm), more than 5% of its norm {scale:.3g}")
+                    f"{err:.3g} (norm), more than 5% of its norm {scale:.3g}"
+                )
     for name, param in named_unique(model):
         full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         tol = dict(rtol=2e-2, atol=2e-3) if mp_tolerance else FP32["param"]
@@ -224,10 +259,14 @@ def run_parity(ctx, model_name="mlp", plan="root", optim="sgd", steps=STEPS, opt
 
 PARITY_CASES = {
     f"{model}-{plan}-{optim}": {"model_name": model, "plan": plan, "optim": optim}
-    for model in ("mlp", "tiny") for plan in PLANS for optim in ("sgd", "adam")
+    for model in ("mlp", "tiny")
+    for plan in PLANS
+    for optim in ("sgd", "adam")
 }
-PARITY_CASES |= {f"tied-root-{optim}": {"model_name": "tied", "plan": "root", "optim": optim}
-                 for optim in ("sgd", "adam")}
+PARITY_CASES |= {
+    f"tied-root-{optim}": {"model_name": "tied", "plan": "root", "optim": optim}
+    for optim in ("sgd", "adam")
+}
 
 
 @check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS}, cases=PARITY_CASES)
@@ -243,14 +282,26 @@ RAF_PARITY = {
 }
 RAF_INT_PARITY = {  # k = ws/2: backward re-all-gathers from SHARDED_POST_FORWARD over k ranks
     "int-half-nested-sgd": {"raf": "half", "model_name": "mlp", "plan": "nested", "optim": "sgd"},
-    "int-half-nested-adam": {"raf": "half", "model_name": "tiny", "plan": "nested", "optim": "adam"},
+    "int-half-nested-adam": {
+        "raf": "half",
+        "model_name": "tiny",
+        "plan": "nested",
+        "optim": "adam",
+    },
 }
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
-       cases=RAF_PARITY)
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
-       cases=RAF_INT_PARITY, world_sizes=(4,))
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
+    cases=RAF_PARITY,
+)
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD},
+    cases=RAF_INT_PARITY,
+    world_sizes=(4,),
+)
 def train_parity_reshard_after_forward(ctx, raf, model_name, plan, optim):
     """With ``reshard_after_forward`` False (parameters stay unsharded until backward) or an int
     ``k = ws/2`` (backward re-all-gathers from the SHARDED_POST_FORWARD shards over groups of k),
@@ -260,9 +311,14 @@ def train_parity_reshard_after_forward(ctx, raf, model_name, plan, optim):
     run_parity(ctx, model_name, plan, optim, options={"reshard_after_forward": raf})
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS},
-       cases={"root-sgd": {"plan": "root", "optim": "sgd"},
-              "nested-adam": {"plan": "nested", "optim": "adam"}})
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS},
+    cases={
+        "root-sgd": {"plan": "root", "optim": "sgd"},
+        "nested-adam": {"plan": "nested", "optim": "adam"},
+    },
+)
 def train_parity_zero_numel_param(ctx, plan, optim):
     """A zero-numel (0,) parameter in a unit does not stop training: its sharded gradient is an
     empty tensor of its shape, and losses, the other gradients and parameters equal the oracle's
@@ -278,11 +334,17 @@ def _shard_dim1_where_even(ws):
     return lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % ws == 0 else Shard(0)
 
 
-@check(area="training",
-       requires={base.TRAINING, base.DTENSOR_PARAMS, base.RESHARD_AFTER_FORWARD,
-                 base.SHARD_PLACEMENT_FN},
-       cases={"int-half-4x4": {"model_name": "wide4"}, "int-half-1x4": {"model_name": "wide1"}},
-       world_sizes=(4,))
+@check(
+    area="training",
+    requires={
+        base.TRAINING,
+        base.DTENSOR_PARAMS,
+        base.RESHARD_AFTER_FORWARD,
+        base.SHARD_PLACEMENT_FN,
+    },
+    cases={"int-half-4x4": {"model_name": "wide4"}, "int-half-1x4": {"model_name": "wide1"}},
+    world_sizes=(4,),
+)
 def train_parity_raf_int_shard_dim1(ctx, model_name):
     """With an int ``reshard_after_forward`` (k = ws/2) on every unit and ``shard_placement_fn``
     giving Shard(1) to ``out.weight`` ((4, 4) or (1, 4)), the post-forward shards and backward's
@@ -291,35 +353,60 @@ def train_parity_raf_int_shard_dim1(ctx, model_name):
     area: torch 2.13 raises IndexError in foreach_all_gather_copy_out for (4, 4), and a storage
     error in to_sharded_post_forward for (1, 4).)"""
     ws = ctx.world_size
-    run_parity(ctx, model_name, "nested", "sgd",
-               options={"reshard_after_forward": ws // 2,
-                        "shard_placement_fn": _shard_dim1_where_even(ws)})
+    run_parity(
+        ctx,
+        model_name,
+        "nested",
+        "sgd",
+        options={
+            "reshard_after_forward": ws // 2,
+            "shard_placement_fn": _shard_dim1_where_even(ws),
+        },
+    )
 
 
 HSDP_PARITY = {  # mesh shape (replicate, shard) per world size
-    4: {"2x2-nested-sgd": {"shape": (2, 2), "plan": "nested", "optim": "sgd"},
-        "2x2-root-adam": {"shape": (2, 2), "plan": "root", "optim": "adam"}},
-    2: {"1x2-nested-sgd": {"shape": (1, 2), "plan": "nested", "optim": "sgd"},
-        "2x1-nested-adam": {"shape": (2, 1), "plan": "nested", "optim": "adam"}},
+    4: {
+        "2x2-nested-sgd": {"shape": (2, 2), "plan": "nested", "optim": "sgd"},
+        "2x2-root-adam": {"shape": (2, 2), "plan": "root", "optim": "adam"},
+    },
+    2: {
+        "1x2-nested-sgd": {"shape": (1, 2), "plan": "nested", "optim": "sgd"},
+        "2x1-nested-adam": {"shape": (2, 1), "plan": "nested", "optim": "adam"},
+    },
 }
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
-       cases=HSDP_PARITY[4], world_sizes=(4,))
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
-       cases=HSDP_PARITY[2], world_sizes=(2,))
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
+    cases=HSDP_PARITY[4],
+    world_sizes=(4,),
+)
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.HSDP},
+    cases=HSDP_PARITY[2],
+    world_sizes=(2,),
+)
 def train_parity_hsdp(ctx, shape, plan, optim):
     """On a (replicate, shard) mesh, each rank's sharded gradient is chunk ``rank % shard`` of the
     oracle's gradient averaged over *all* ranks' batches, and losses and parameters after 3 steps
     equal the oracle's (P16, P6)."""
     mesh = ctx.make_mesh(shape, ("replicate", "shard"))
-    run_parity(ctx, "mlp", plan, optim, options={"mesh": mesh},
-               shards=(shape[1], ctx.rank % shape[1]))
+    run_parity(
+        ctx, "mlp", plan, optim, options={"mesh": mesh}, shards=(shape[1], ctx.rank % shape[1])
+    )
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
-       cases={"mlp-nested-sgd": {"plan": "nested", "optim": "sgd"},
-              "mlp-root-adam": {"plan": "root", "optim": "adam"}})
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
+    cases={
+        "mlp-nested-sgd": {"plan": "nested", "optim": "sgd"},
+        "mlp-root-adam": {"plan": "root", "optim": "adam"},
+    },
+)
 def grad_accumulation_no_sync(ctx, plan, optim):
     """Two micro-batches per step, the first with ``set_requires_gradient_sync(False)``: the sharded
     gradient after the synced micro-batch is the oracle's chunk of the gradient summed over both
@@ -327,21 +414,33 @@ def grad_accumulation_no_sync(ctx, plan, optim):
     run_parity(ctx, "mlp", plan, optim, steps=2, accumulate=2)
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.MIXED_PRECISION},
-       cases={"bf16-fp32-reduce": {"reduce": torch.float32}, "bf16-bf16-reduce": {"reduce": None}})
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.MIXED_PRECISION},
+    cases={"bf16-fp32-reduce": {"reduce": torch.float32}, "bf16-bf16-reduce": {"reduce": None}},
+)
 def train_parity_bf16(ctx, reduce):
     """With bf16 compute (``param_dtype=bf16``), losses track the fp32 oracle within rtol 2e-2 and
     every step's parameter update is within 5% (norm) of the oracle's; the sharded parameters stay
     fp32."""
     mp = {"param_dtype": torch.bfloat16, "reduce_dtype": reduce}
-    model = run_parity(ctx, "mlp", "nested", "sgd", steps=2, options={"mixed_precision": mp},
-                       mp_tolerance=True)
+    model = run_parity(
+        ctx, "mlp", "nested", "sgd", steps=2, options={"mixed_precision": mp}, mp_tolerance=True
+    )
     for name, param in model.named_parameters():
-        assert param.dtype == torch.float32, f"{ctx.where()} {name}: sharded param dtype {param.dtype}"
+        assert param.dtype == torch.float32, (
+            f"{ctx.where()} {name}: sharded param dtype {param.dtype}"
+        )
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.CPU_OFFLOAD},
-       cases={"root-sgd": {"plan": "root", "optim": "sgd"}, "nested-adam": {"plan": "nested", "optim": "adam"}})
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.CPU_OFFLOAD},
+    cases={
+        "root-sgd": {"plan": "root", "optim": "sgd"},
+        "nested-adam": {"plan": "nested", "optim": "adam"},
+    },
+)
 def train_parity_cpu_offload(ctx, plan, optim):
     """With CPU offload (``CPUOffloadPolicy``) training matches the oracle as without offload: the
     offload path's copies to and from the compute device keep every value (P11, P6)."""
@@ -359,14 +458,17 @@ def cpu_offload_placement(ctx):
     x, y = make_batch("mlp", ctx.world_size, 99, ctx.device)
     out = model(x[:B])
     assert out.device.type == ctx.device.type, (
-        f"{ctx.where()} forward output on {out.device}, expected the compute device {ctx.device}")
+        f"{ctx.where()} forward output on {out.device}, expected the compute device {ctx.device}"
+    )
     per_sample_loss("mlp", out, y[:B]).mean().backward()
     for name, param in model.named_parameters():
         assert param.to_local().device.type == "cpu", (
-            f"{ctx.where()} {name}: offloaded shard on {param.to_local().device}, expected cpu")
+            f"{ctx.where()} {name}: offloaded shard on {param.to_local().device}, expected cpu"
+        )
         assert param.grad is not None and param.grad.to_local().device.type == "cpu", (
             f"{ctx.where()} {name}: offloaded grad on "
-            f"{None if param.grad is None else param.grad.to_local().device}, expected cpu")
+            f"{None if param.grad is None else param.grad.to_local().device}, expected cpu"
+        )
 
 
 # reduce dtype -> (mixed-precision options, tolerance of the reduced gradient against the fp32 oracle)
@@ -377,12 +479,16 @@ DIVIDE_DTYPES = {
 }
 DIVIDE_CASES = {
     f"{dtype}-{factor}": {"dtype": dtype, "factor": factor}
-    for dtype in DIVIDE_DTYPES for factor in ("default", "ws", "3")
+    for dtype in DIVIDE_DTYPES
+    for factor in ("default", "ws", "3")
 }
 
 
-@check(area="training", requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
-       cases=DIVIDE_CASES)
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
+    cases=DIVIDE_CASES,
+)
 def gradient_divide_factor(ctx, dtype, factor):
     """P6: the reduced gradient is the SUM of the ranks' gradients divided by the data-parallel size
     (``default``), or by ``f`` after ``set_gradient_divide_factor(f)`` (``ws``: f equals the world
@@ -396,8 +502,9 @@ def gradient_divide_factor(ctx, dtype, factor):
     divisor = {"default": ws, "ws": ws, "3": 3.0}[factor]
     ctx.seed(0)
     oracle = MLP().to(ctx.device)
-    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=None,
-                           **({"mixed_precision": mp} if mp else {}))
+    model = ctx.impl.shard(
+        copy.deepcopy(oracle), ctx, plan=None, **({"mixed_precision": mp} if mp else {})
+    )
     if factor != "default":
         model.set_gradient_divide_factor(float(divisor))
     x, y = make_batch("mlp", ws, 0, ctx.device)
@@ -408,5 +515,10 @@ def gradient_divide_factor(ctx, dtype, factor):
     for (name, param), (_, ref) in zip(named_unique(model), named_unique(oracle)):
         assert param.grad is not None, f"{ctx.where()} {name}: no sharded gradient after backward"
         expected = local_chunk(ref.grad / divisor, shard_dim(param), ws, ctx.rank)
-        assert_close(ctx, f"{dtype} gradient of {name} divided by {divisor}",
-                     param.grad.to_local(), expected, tol)
+        assert_close(
+            ctx,
+            f"{dtype} gradient of {name} divided by {divisor}",
+            param.grad.to_local(),
+            expected,
+            tol,
+        )

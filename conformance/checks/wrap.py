@@ -65,13 +65,16 @@ def _always(W):
 
 def _modules(*names):
     """ModuleWrapPolicy over classes named in nn or in the zoo."""
+
     def build(W):
         return W.ModuleWrapPolicy({getattr(nn, n, None) or getattr(zoo, n) for n in names})
+
     return build
 
 
 def _transformer_custom(W):
     """W10 non-uniform: per-class kwargs; anything else is not a unit."""
+
     def answer(module):
         if isinstance(module, nn.TransformerEncoderLayer):
             return {"sharding_strategy": "FULL_SHARD", "backward_prefetch": "BACKWARD_PRE"}
@@ -80,6 +83,7 @@ def _transformer_custom(W):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             return {"sharding_strategy": "NO_SHARD"}
         return False
+
     return answer  # resolved against the implementation's enums in _policy()
 
 
@@ -112,77 +116,128 @@ ZOO = {
     # W2 always_wrap: every descendant, 2 after its children (and managing nothing).
     "nested-always": WrapCase("nested", _always, (*NESTED_ALL, "2", "")),
     # ModuleWrapPolicy({Sequential}) selects the root too; it still appears once, last.
-    "nested-module-root-match": WrapCase("nested", _modules("Sequential"), ("2", ""),
-                                         is_policy_class=True),
+    "nested-module-root-match": WrapCase(
+        "nested", _modules("Sequential"), ("2", ""), is_policy_class=True
+    ),
     # W5: ignored modules 1 and 2.0 are neither units nor counted.
-    "nested-always-ignored": WrapCase("nested", _always, ("0", "2.1", "2", ""),
-                                      ignored_modules=("1", "2.0")),
+    "nested-always-ignored": WrapCase(
+        "nested", _always, ("0", "2.1", "2", ""), ignored_modules=("1", "2.0")
+    ),
     # W5 size 40: 2 counts 30 without the ignored 2.0 -> below 40; 0 (30) too: the root alone.
     "nested-size40-ignored": WrapCase("nested", _size(40), ("",), ignored_modules=("1", "2.0")),
     # W5 ignored parameter: 0 is a unit that manages 0.weight only.
-    "nested-module-ignored-param": WrapCase("nested", _modules("Linear"), (*NESTED_ALL, ""),
-                                            is_policy_class=True, ignored_params=("0.bias",)),
+    "nested-module-ignored-param": WrapCase(
+        "nested",
+        _modules("Linear"),
+        (*NESTED_ALL, ""),
+        is_policy_class=True,
+        ignored_params=("0.bias",),
+    ),
     # W3 min 40: mlist (60) and mdict (170; 60 left after big) are looked into but never wrapped
     # (excluded containers); big (110) and head (55) are wrapped; each 30-element Linear is not.
     "containers-size40": WrapCase("containers", _size(40), ("mdict.big", "head", "")),
     # W4 custom force leaves {MultiheadAttention, Linear}, min 40: a force leaf is not looked into
     # and so never wrapped, however large (big 110, head 55): the root alone.
     "containers-size40-linear-leaf": WrapCase(
-        "containers", lambda W: functools.partial(
-            W.size_based_auto_wrap_policy, min_num_params=40,
-            force_leaf_modules={nn.MultiheadAttention, nn.Linear}), ("",)),
+        "containers",
+        lambda W: functools.partial(
+            W.size_based_auto_wrap_policy,
+            min_num_params=40,
+            force_leaf_modules={nn.MultiheadAttention, nn.Linear},
+        ),
+        ("",),
+    ),
     # W4 min 40: lin (110) wrapped; attn (440) is a force leaf: not looked into, so its out_proj
     # (110) is not wrapped either, and attn itself is not wrapped.
     "attention-size40": WrapCase("attention", _size(40), ("lin", "")),
     # W9 ModuleWrapPolicy on the layer classes: 4 layers + root; the tied embedding/head weight
     # stays with the root, once.
     "transformer-layers": WrapCase(
-        "transformer", _modules("TransformerEncoderLayer", "TransformerDecoderLayer"),
-        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", ""), is_policy_class=True),
+        "transformer",
+        _modules("TransformerEncoderLayer", "TransformerDecoderLayer"),
+        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", ""),
+        is_policy_class=True,
+    ),
     # W9 the same layers through the callable transformer_auto_wrap_policy (no auto_wrap_policy
     # key in the children's kwargs on this path).
     "transformer-layers-callable": WrapCase(
-        "transformer", lambda W: functools.partial(
+        "transformer",
+        lambda W: functools.partial(
             W.transformer_auto_wrap_policy,
-            transformer_layer_cls={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}),
-        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", "")),
+            transformer_layer_cls={nn.TransformerEncoderLayer, nn.TransformerDecoderLayer},
+        ),
+        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", ""),
+    ),
     # W9 lambda_auto_wrap_policy wraps exactly the modules its function accepts (the Linears).
     "norm-lambda": WrapCase(
-        "norm", lambda W: functools.partial(
-            W.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)),
-        ("lin1", "lin2", "")),
+        "norm",
+        lambda W: functools.partial(
+            W.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)
+        ),
+        ("lin1", "lin2", ""),
+    ),
     # W10 non-uniform CustomPolicy + root fp16: bn NO_SHARD with MP off (W11), encoder layers
     # FULL_SHARD/BACKWARD_PRE, decoder layers SHARD_GRAD_OP/BACKWARD_POST.
     "transformer-custom-mp": WrapCase(
-        "transformer", None, ("encoder.0", "encoder.1", "decoder.0", "decoder.1", "bn", ""),
-        is_policy_class=True, mixed_precision=True, mp_off=("bn",), custom=_transformer_custom,
+        "transformer",
+        None,
+        ("encoder.0", "encoder.1", "decoder.0", "decoder.1", "bn", ""),
+        is_policy_class=True,
+        mixed_precision=True,
+        mp_off=("bn",),
+        custom=_transformer_custom,
         overrides={
-            **{f"encoder.{i}": {"sharding_strategy": "FULL_SHARD",
-                                "backward_prefetch": "BACKWARD_PRE"} for i in range(2)},
-            **{f"decoder.{i}": {"sharding_strategy": "SHARD_GRAD_OP",
-                                "backward_prefetch": "BACKWARD_POST"} for i in range(2)},
+            **{
+                f"encoder.{i}": {
+                    "sharding_strategy": "FULL_SHARD",
+                    "backward_prefetch": "BACKWARD_PRE",
+                }
+                for i in range(2)
+            },
+            **{
+                f"decoder.{i}": {
+                    "sharding_strategy": "SHARD_GRAD_OP",
+                    "backward_prefetch": "BACKWARD_POST",
+                }
+                for i in range(2)
+            },
             "bn": {"sharding_strategy": "NO_SHARD"},
-        }),
+        },
+    ),
     # W11 with a callable policy that never wraps: bn alone, MP off.
-    "norm-mp-never": WrapCase("norm", lambda W: _never, ("bn", ""), mixed_precision=True,
-                              mp_off=("bn",)),
+    "norm-mp-never": WrapCase(
+        "norm", lambda W: _never, ("bn", ""), mixed_precision=True, mp_off=("bn",)
+    ),
     # W11 with a _Policy: the Linears (fp16) and bn (MP off) in post-order; the root manages nothing.
-    "norm-mp-module": WrapCase("norm", _modules("Linear"), ("lin1", "bn", "lin2", ""),
-                               is_policy_class=True, mixed_precision=True, mp_off=("bn",)),
+    "norm-mp-module": WrapCase(
+        "norm",
+        _modules("Linear"),
+        ("lin1", "bn", "lin2", ""),
+        is_policy_class=True,
+        mixed_precision=True,
+        mp_off=("bn",),
+    ),
     # W11 without an auto_wrap_policy: no override, bn stays in the root.
     "norm-mp-no-policy": WrapCase("norm", None, ("",), mixed_precision=True),
     # W11 needs mixed precision: without it the bn stays in the root.
-    "norm-module-no-mp": WrapCase("norm", _modules("Linear"), ("lin1", "lin2", ""),
-                                  is_policy_class=True),
+    "norm-module-no-mp": WrapCase(
+        "norm", _modules("Linear"), ("lin1", "lin2", ""), is_policy_class=True
+    ),
     # W12 uniform: each adapter (trainable) and each attention (frozen rest) is its own unit.
     "lora-uniform": WrapCase(
-        "lora", _modules("LoraAttention", "LoraAdapter"),
+        "lora",
+        _modules("LoraAttention", "LoraAdapter"),
         ("layers.0.attn.lora", "layers.0.attn", "layers.1.attn.lora", "layers.1.attn", ""),
-        is_policy_class=True),
+        is_policy_class=True,
+    ),
     # W12: ignoring the trainable adapters makes each attention uniformly frozen.
-    "lora-ignored": WrapCase("lora", _modules("LoraAttention"),
-                             ("layers.0.attn", "layers.1.attn", ""), is_policy_class=True,
-                             ignored_modules=("layers.0.attn.lora", "layers.1.attn.lora")),
+    "lora-ignored": WrapCase(
+        "lora",
+        _modules("LoraAttention"),
+        ("layers.0.attn", "layers.1.attn", ""),
+        is_policy_class=True,
+        ignored_modules=("layers.0.attn.lora", "layers.1.attn.lora"),
+    ),
 }
 ZOO_CASES = {name: {"case": name} for name in ZOO}
 
@@ -268,8 +323,13 @@ def _mp(ns, enabled: bool):
 
 
 # --------------------------------------------------------------------------- plan (world size 1)
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API}, cases=ZOO_CASES, world_sizes=(1,),
-       timeout=180)
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP2_API},
+    cases=ZOO_CASES,
+    world_sizes=(1,),
+    timeout=180,
+)
 def plan_matches_expected(ctx, case):
     """build_wrap_plan lists exactly the expected units in build order, each with the kwargs and
     managed parameters the rules give, and leaves the model untouched (W1-W5, W9)."""
@@ -278,12 +338,19 @@ def plan_matches_expected(ctx, case):
     model = _seeded_model(ctx, c.model)
     ignored_modules, ignored_params, ignored = _ignored(model, c)
     root_kwargs = {"mixed_precision": _mp(ns, c.mixed_precision), "use_orig_params": False}
-    before = [(n, id(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
-              for n, m in model.named_modules()]
+    before = [
+        (n, id(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
+        for n, m in model.named_modules()
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = build(model, _policy(c, ns, enums=False), ignored_modules=ignored_modules,
-                     ignored_params=ignored_params, root_kwargs=root_kwargs)
+        plan = build(
+            model,
+            _policy(c, ns, enums=False),
+            ignored_modules=ignored_modules,
+            ignored_params=ignored_params,
+            root_kwargs=root_kwargs,
+        )
     where = f"{ctx.where()} {case}:"
     got = tuple(e.module_fqn for e in plan.entries)
     assert got == c.units, f"{where} planned units {got}, expected {c.units} (build order)"
@@ -292,14 +359,21 @@ def plan_matches_expected(ctx, case):
         unit = entry.module_fqn
         want = expected_kwargs(c, unit, root_kwargs, None)
         assert dict(entry.kwargs) == want, (
-            f"{where} unit {unit!r} kwargs {dict(entry.kwargs)}, expected {want}")
-        assert set(entry.param_fqns) == groups[unit] and len(entry.param_fqns) == len(groups[unit]), (
+            f"{where} unit {unit!r} kwargs {dict(entry.kwargs)}, expected {want}"
+        )
+        assert set(entry.param_fqns) == groups[unit] and len(entry.param_fqns) == len(
+            groups[unit]
+        ), (
             f"{where} unit {unit!r} manages {sorted(entry.param_fqns)}, "
-            f"expected {sorted(groups[unit])}")
+            f"expected {sorted(groups[unit])}"
+        )
     assert set(plan.ignored_param_fqns) == ignored_fqns, (
-        f"{where} ignored parameters {sorted(plan.ignored_param_fqns)}, expected {sorted(ignored_fqns)}")
-    after = [(n, id(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
-             for n, m in model.named_modules()]
+        f"{where} ignored parameters {sorted(plan.ignored_param_fqns)}, expected {sorted(ignored_fqns)}"
+    )
+    after = [
+        (n, id(m), len(m._forward_pre_hooks), len(m._forward_hooks), sorted(vars(m)))
+        for n, m in model.named_modules()
+    ]
     assert after == before, f"{where} building the plan changed the model"
 
 
@@ -307,9 +381,11 @@ def _lora_message(unit: str, use_orig_params: bool) -> str:
     """W12's message for one LoraAttention (q/v frozen 16+16, adapter A/B trainable 8+8)."""
     msg = f"{unit} has both parameters with requires_grad=True and False. "
     if use_orig_params:
-        msg += ("We do not recommend wrapping such modules since the gradient memory usage will be "
-                "higher than expected (48 numel instead of 16 numel before sharding via "
-                "reduce-scatter). ")
+        msg += (
+            "We do not recommend wrapping such modules since the gradient memory usage will be "
+            "higher than expected (48 numel instead of 16 numel before sharding via "
+            "reduce-scatter). "
+        )
     else:
         msg += "FSDP does not support wrapping such modules when use_orig_params=False. "
     return msg + (
@@ -317,18 +393,23 @@ def _lora_message(unit: str, use_orig_params: bool) -> str:
         "The following parameters have requires_grad=True:\n"
         f"{[f'{unit}.lora.A.weight', f'{unit}.lora.B.weight']}\n"
         "The following parameters have requires_grad=False:\n"
-        f"{[f'{unit}.q_proj.weight', f'{unit}.v_proj.weight']}")
+        f"{[f'{unit}.q_proj.weight', f'{unit}.v_proj.weight']}"
+    )
 
 
 _MP_WARNING = (
     "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module "
     "has submodules of type:\n{classes}\nThese modules will be wrapped as separate FSDP instacnes "
-    "with mixed precision disabled.")
+    "with mixed precision disabled."
+)
 
 
 def _user_warnings(record, needle: str) -> list[str]:
-    return [str(w.message) for w in record
-            if issubclass(w.category, UserWarning) and needle in str(w.message)]
+    return [
+        str(w.message)
+        for w in record
+        if issubclass(w.category, UserWarning) and needle in str(w.message)
+    ]
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API}, world_sizes=(1,))
@@ -342,8 +423,10 @@ def plan_errors_and_warnings(ctx):
     try:
         build(model, W.CustomPolicy(lambda m: 1))
     except ValueError as e:
-        want = ("The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, "
-                "but it returned 1")
+        want = (
+            "The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, "
+            "but it returned 1"
+        )
         assert str(e) == want, f"{ctx.where()} W10 message {str(e)!r}, expected {want!r}"
     else:
         raise AssertionError(f"{ctx.where()} W10: a CustomPolicy answer of 1 did not raise")
@@ -355,8 +438,9 @@ def plan_errors_and_warnings(ctx):
         want = _lora_message("layers.0.attn", False)
         assert str(e) == want, f"{ctx.where()} W12 message {str(e)!r}, expected {want!r}"
     else:
-        raise AssertionError(f"{ctx.where()} W12: mixed frozen parameters did not raise "
-                             "with use_orig_params=False")
+        raise AssertionError(
+            f"{ctx.where()} W12: mixed frozen parameters did not raise with use_orig_params=False"
+        )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         plan = build(zoo.LoraModel(), policy, root_kwargs={"use_orig_params": True})
@@ -403,8 +487,11 @@ def fsdp1_auto_wrap_units(ctx, case):
     ignored_modules, ignored_params, ignored = _ignored(model, c)
     groups, _ = expected_groups(model, c.units, ignored)
     # forward_prefetch=True (default False): every unit must inherit it from the root kwargs
-    kwargs = {"device_id": _device_id(ctx), "mixed_precision": _mp(ns, c.mixed_precision),
-              "forward_prefetch": True}
+    kwargs = {
+        "device_id": _device_id(ctx),
+        "mixed_precision": _mp(ns, c.mixed_precision),
+        "forward_prefetch": True,
+    }
     if ignored_modules:
         kwargs["ignored_modules"] = ignored_modules
     if ignored_params:
@@ -415,28 +502,35 @@ def fsdp1_auto_wrap_units(ctx, case):
     units = _fsdp1_units(ctx, wrapped)
     where = f"{ctx.where()} {case}:"
     assert set(units) == set(c.units), (
-        f"{where} FSDP modules {sorted(units)}, expected {sorted(c.units)}")
+        f"{where} FSDP modules {sorted(units)}, expected {sorted(c.units)}"
+    )
     root_mp = _mp(ns, c.mixed_precision) or ns.MixedPrecision()
     for fqn, unit in units.items():
         managed = _fsdp1_managed(fqn, unit)
         assert sorted(managed) == sorted(groups[fqn]), (
-            f"{where} FSDP module {fqn!r} flattens {sorted(managed)}, expected {sorted(groups[fqn])}")
+            f"{where} FSDP module {fqn!r} flattens {sorted(managed)}, expected {sorted(groups[fqn])}"
+        )
         want_mp = ns.MixedPrecision() if fqn in c.mp_off else root_mp
         got_mp = unit.mixed_precision or ns.MixedPrecision()  # None: mixed precision disabled
-        assert got_mp == want_mp, f"{where} FSDP module {fqn!r} mixed_precision {got_mp}, expected {want_mp}"
+        assert got_mp == want_mp, (
+            f"{where} FSDP module {fqn!r} mixed_precision {got_mp}, expected {want_mp}"
+        )
         assert unit.forward_prefetch is True, (
             f"{where} FSDP module {fqn!r} forward_prefetch {unit.forward_prefetch}, expected the "
-            "root's True")
+            "root's True"
+        )
         overrides = c.overrides.get(fqn, {})
         strategy = ns.ShardingStrategy[overrides.get("sharding_strategy", "FULL_SHARD")]
         if ctx.world_size == 1:
             strategy = ns.ShardingStrategy.NO_SHARD
         assert unit.sharding_strategy == strategy, (
-            f"{where} FSDP module {fqn!r} sharding_strategy {unit.sharding_strategy}, expected {strategy}")
+            f"{where} FSDP module {fqn!r} sharding_strategy {unit.sharding_strategy}, expected {strategy}"
+        )
         if "backward_prefetch" in overrides:
             want = _enum(ns, "backward_prefetch", overrides["backward_prefetch"])
             assert unit.backward_prefetch == want, (
-                f"{where} FSDP module {fqn!r} backward_prefetch {unit.backward_prefetch}, expected {want}")
+                f"{where} FSDP module {fqn!r} backward_prefetch {unit.backward_prefetch}, expected {want}"
+            )
 
 
 def _expect_raise(ctx, what: str, exc_type, message: str, fn):
@@ -457,28 +551,49 @@ def fsdp1_already_wrapped_error(ctx):
         warnings.simplefilter("ignore")
         inner = FSDP(nn.Linear(4, 4), device_id=_device_id(ctx))
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), inner))
-    message = ("FSDP auto wrapping requires modules to not already have FSDP applied but found "
-               f"1.1 in\n{model}")
+    message = (
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found "
+        f"1.1 in\n{model}"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _expect_raise(ctx, "W6 nested FSDP", ValueError, message, lambda: FSDP(
-            model, auto_wrap_policy=ns.wrap.always_wrap_policy, device_id=_device_id(ctx)))
+        _expect_raise(
+            ctx,
+            "W6 nested FSDP",
+            ValueError,
+            message,
+            lambda: FSDP(
+                model, auto_wrap_policy=ns.wrap.always_wrap_policy, device_id=_device_id(ctx)
+            ),
+        )
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API})
 def fsdp1_custom_policy_bad_return(ctx):
     """W10: a CustomPolicy lambda answering something other than a bool/dict raises ValueError."""
     ns = ctx.impl.ns
-    message = ("The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, "
-               "but it returned 1")
-    _expect_raise(ctx, "W10", ValueError, message, lambda: ns.FullyShardedDataParallel(
-        zoo.nested_sequential(), auto_wrap_policy=ns.wrap.CustomPolicy(lambda m: 1),
-        device_id=_device_id(ctx)))
+    message = (
+        "The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, "
+        "but it returned 1"
+    )
+    _expect_raise(
+        ctx,
+        "W10",
+        ValueError,
+        message,
+        lambda: ns.FullyShardedDataParallel(
+            zoo.nested_sequential(),
+            auto_wrap_policy=ns.wrap.CustomPolicy(lambda m: 1),
+            device_id=_device_id(ctx),
+        ),
+    )
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API},
-       cases={"use-orig-params": {"use_orig_params": True},
-              "flat-params": {"use_orig_params": False}})
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP1_API},
+    cases={"use-orig-params": {"use_orig_params": True}, "flat-params": {"use_orig_params": False}},
+)
 def fsdp1_mixed_frozen_params(ctx, use_orig_params):
     """W12: a ModuleWrapPolicy target mixing frozen and trainable parameters raises ValueError
     (use_orig_params=False, first offender in post-order) or warns once per offender (True) and
@@ -487,8 +602,13 @@ def fsdp1_mixed_frozen_params(ctx, use_orig_params):
     ctx.seed(0)
     model = zoo.LoraModel()
     policy = ns.wrap.ModuleWrapPolicy({zoo.LoraAttention})
-    build = functools.partial(ns.FullyShardedDataParallel, model, auto_wrap_policy=policy,
-                              use_orig_params=use_orig_params, device_id=_device_id(ctx))
+    build = functools.partial(
+        ns.FullyShardedDataParallel,
+        model,
+        auto_wrap_policy=policy,
+        use_orig_params=use_orig_params,
+        device_id=_device_id(ctx),
+    )
     if not use_orig_params:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -504,8 +624,11 @@ def fsdp1_mixed_frozen_params(ctx, use_orig_params):
     assert units == ["", "layers.0.attn", "layers.1.attn"], f"{ctx.where()} W12 units {units}"
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API},
-       cases={"never-policy": {"with_policy": True}, "no-policy": {"with_policy": False}})
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP1_API},
+    cases={"never-policy": {"with_policy": True}, "no-policy": {"with_policy": False}},
+)
 def fsdp1_mixed_precision_override_warning(ctx, with_policy):
     """W11: mixed precision plus any auto_wrap_policy (even one that never wraps) warns once,
     naming the batch-norm classes, and wraps each batch norm alone with mixed precision disabled;
@@ -515,19 +638,26 @@ def fsdp1_mixed_precision_override_warning(ctx, with_policy):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         wrapped = ns.FullyShardedDataParallel(
-            model, auto_wrap_policy=_never if with_policy else None,
-            mixed_precision=_mp(ns, True), device_id=_device_id(ctx))
+            model,
+            auto_wrap_policy=_never if with_policy else None,
+            mixed_precision=_mp(ns, True),
+            device_id=_device_id(ctx),
+        )
     got = _user_warnings(record, "Both mixed precision")
     want = [_MP_WARNING.format(classes={nn.BatchNorm1d})] if with_policy else []
     assert got == want, f"{ctx.where()} W11 warnings {got}, expected {want}"
     units = _fsdp1_units(ctx, wrapped)
     want_units = ["", "bn"] if with_policy else [""]
-    assert sorted(units) == want_units, f"{ctx.where()} W11 FSDP modules {sorted(units)}, expected {want_units}"
+    assert sorted(units) == want_units, (
+        f"{ctx.where()} W11 FSDP modules {sorted(units)}, expected {want_units}"
+    )
     if with_policy:
         assert (units["bn"].mixed_precision or ns.MixedPrecision()) == ns.MixedPrecision(), (
-            f"{ctx.where()} W11 bn mixed_precision {units['bn'].mixed_precision}, expected MixedPrecision()")
+            f"{ctx.where()} W11 bn mixed_precision {units['bn'].mixed_precision}, expected MixedPrecision()"
+        )
         assert units[""].mixed_precision == _mp(ns, True), (
-            f"{ctx.where()} W11 root mixed_precision {units[''].mixed_precision}")
+            f"{ctx.where()} W11 root mixed_precision {units[''].mixed_precision}"
+        )
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API})
@@ -541,12 +671,18 @@ def fsdp1_enable_wrap_and_wrap(ctx):
     assert W.wrap(lin) is lin, f"{ctx.where()} wrap() outside enable_wrap did not return the module"
     overridden = nn.Linear(3, 3)
     overridden._wrap_overrides = {"forward_prefetch": False}
-    message = ("You are already within an autowrap context and we currently do not supported "
-               "nested autowrap.")
+    message = (
+        "You are already within an autowrap context and we currently do not supported "
+        "nested autowrap."
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with W.enable_wrap(wrapper_cls=FSDP, device_id=_device_id(ctx), forward_prefetch=False,
-                           limit_all_gathers=False):
+        with W.enable_wrap(
+            wrapper_cls=FSDP,
+            device_id=_device_id(ctx),
+            forward_prefetch=False,
+            limit_all_gathers=False,
+        ):
             a = W.wrap(nn.Linear(3, 3))
             b = W.wrap(nn.Linear(3, 3), forward_prefetch=True)
             c = W.wrap(overridden, forward_prefetch=True)
@@ -559,10 +695,13 @@ def fsdp1_enable_wrap_and_wrap(ctx):
             d = W.wrap(nn.Linear(3, 3))  # the outer context is still active
     for name, m, fp in (("a", a, False), ("b", b, True), ("c", c, False), ("d", d, False)):
         assert isinstance(m, FSDP), f"{ctx.where()} W7 wrap() ({name}) returned {type(m).__name__}"
-        assert m.forward_prefetch is fp, f"{ctx.where()} W7 ({name}) forward_prefetch {m.forward_prefetch}, expected {fp}"
+        assert m.forward_prefetch is fp, (
+            f"{ctx.where()} W7 ({name}) forward_prefetch {m.forward_prefetch}, expected {fp}"
+        )
         assert m.limit_all_gathers is False, (
             f"{ctx.where()} W7 ({name}) limit_all_gathers {m.limit_all_gathers}, expected the "
-            "context's False (the default is True)")
+            "context's False (the default is True)"
+        )
     after = nn.Linear(3, 3)
     assert W.wrap(after) is after, f"{ctx.where()} wrap() after enable_wrap exited still wraps"
 
@@ -597,8 +736,12 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API, base.TRAINING}, cases=ZOO_CASES,
-       timeout=180)
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP2_API, base.TRAINING},
+    cases=ZOO_CASES,
+    timeout=180,
+)
 def fsdp2_plan_units_and_parity(ctx, case):
     """Sharding the expected units children-first makes exactly those modules FSDPModules, each
     managing the parameters the rules give (ignored ones stay plain tensors), and 3 SGD steps on
@@ -618,14 +761,18 @@ def fsdp2_plan_units_and_parity(ctx, case):
     where = f"{ctx.where()} {case}:"
 
     got = _fsdp2_groups(ctx, model)
-    assert set(got) == set(c.units), f"{where} FSDPModules {sorted(got)}, expected {sorted(c.units)}"
+    assert set(got) == set(c.units), (
+        f"{where} FSDPModules {sorted(got)}, expected {sorted(c.units)}"
+    )
     for unit in c.units:
         assert got[unit] == groups[unit], (
-            f"{where} FSDPModule {unit!r} manages {sorted(got[unit])}, expected {sorted(groups[unit])}")
+            f"{where} FSDPModule {unit!r} manages {sorted(got[unit])}, expected {sorted(groups[unit])}"
+        )
     for name, p in model.named_parameters():
         want = name not in ignored_fqns
         assert isinstance(p, DTensor) == want, (
-            f"{where} {name} is {type(p).__name__}; expected {'a DTensor' if want else 'plain (ignored)'}")
+            f"{where} {name} is {type(p).__name__}; expected {'a DTensor' if want else 'plain (ignored)'}"
+        )
 
     gen = torch.Generator().manual_seed(99)
     batches = [zoo.make_batch(c.model, PER_RANK * ctx.world_size, gen) for _ in range(STEPS)]
@@ -633,7 +780,7 @@ def fsdp2_plan_units_and_parity(ctx, case):
     ref_opt = torch.optim.SGD([p for p in oracle.parameters() if p.requires_grad], lr=LR)
     lo = ctx.rank * PER_RANK
     for batch in batches:
-        _loss(model(batch[lo: lo + PER_RANK].to(ctx.device))).backward()
+        _loss(model(batch[lo : lo + PER_RANK].to(ctx.device))).backward()
         for name, p in model.named_parameters():  # ignored parameters: average by hand
             if name in ignored_fqns and p.grad is not None and ctx.world_size > 1:
                 dist.all_reduce(p.grad)
@@ -649,8 +796,10 @@ def fsdp2_plan_units_and_parity(ctx, case):
         ref = expected[name].detach()
         if not torch.allclose(full, ref, rtol=1e-4, atol=1e-5):
             diff = (full - ref).abs().max().item()
-            raise AssertionError(f"{where} after {STEPS} SGD steps {name} differs from the unwrapped "
-                                 f"model trained on the global batch (max abs diff {diff:.3g})")
+            raise AssertionError(
+                f"{where} after {STEPS} SGD steps {name} differs from the unwrapped "
+                f"model trained on the global batch (max abs diff {diff:.3g})"
+            )
 
 
 # ---------------------------------------------------------------- W8, W13-W16: the helper APIs
@@ -669,8 +818,11 @@ def _wrap_api(ctx, name: str):
     import importlib
 
     base_name = ctx.impl.ns.__name__
-    for module_name in (f"{base_name}.wrap", f"{base_name}._wrap_utils",
-                        f"{base_name}.wrap._wrap_plan"):
+    for module_name in (
+        f"{base_name}.wrap",
+        f"{base_name}._wrap_utils",
+        f"{base_name}.wrap._wrap_plan",
+    ):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -706,18 +858,27 @@ def or_policy_and_per_class_policy(ctx):
         for recurse in (True, False):
             calls.clear()
             got = or_policy(lin, recurse, 7, policies)
-            assert got is want, (f"{ctx.where()} W8 _or_policy({[p.__name__ for p in policies]}, "
-                                 f"recurse={recurse}) = {got}, expected {want}")
+            assert got is want, (
+                f"{ctx.where()} W8 _or_policy({[p.__name__ for p in policies]}, "
+                f"recurse={recurse}) = {got}, expected {want}"
+            )
             if policies:
                 assert calls and all(c[1:] == (recurse, 7) for c in calls), (
                     f"{ctx.where()} W8 _or_policy passed {calls} to its policies, expected "
-                    f"recurse={recurse}, nonwrapped_numel=7")
+                    f"recurse={recurse}, nonwrapped_numel=7"
+                )
     classes = (nn.modules.batchnorm._BatchNorm,)
-    for module, recurse, want in ((lin, True, True), (bn, True, True), (lin, False, False),
-                                  (bn, False, True)):
+    for module, recurse, want in (
+        (lin, True, True),
+        (bn, True, True),
+        (lin, False, False),
+        (bn, False, True),
+    ):
         got = individually(module, module_classes=classes, recurse=recurse, nonwrapped_numel=0)
-        assert got is want, (f"{ctx.where()} W8 _wrap_module_cls_individually({type(module).__name__}, "
-                             f"recurse={recurse}) = {got}, expected {want}")
+        assert got is want, (
+            f"{ctx.where()} W8 _wrap_module_cls_individually({type(module).__name__}, "
+            f"recurse={recurse}) = {got}, expected {want}"
+        )
 
 
 W8_CASES = {
@@ -725,19 +886,39 @@ W8_CASES = {
     "individually": ("bn_net", False, ("bn1", "bn2", "bn3", "sync_bn", "")),
     "or-never": ("bn_net", True, ("bn1", "bn2", "bn3", "sync_bn", "")),
     # OR(container policy, per-class): the container and each norm layer inside it
-    "container-or": ("container", True, ("bn_container.bn1", "bn_container.bn2", "bn_container.bn3",
-                                         "bn_container.sync_bn", "bn_container", "")),
+    "container-or": (
+        "container",
+        True,
+        (
+            "bn_container.bn1",
+            "bn_container.bn2",
+            "bn_container.bn3",
+            "bn_container.sync_bn",
+            "bn_container",
+            "",
+        ),
+    ),
     # the container policy alone: the norm layers stay inside the container's unit
     "container-alone": ("container", False, ("bn_container", "")),
     # W9: a ModuleWrapPolicy used as the container callable inside _or_policy: as container-or
-    "module-policy-or": ("container", "module-policy", ("bn_container.bn1", "bn_container.bn2",
-                                                        "bn_container.bn3", "bn_container.sync_bn",
-                                                        "bn_container", "")),
+    "module-policy-or": (
+        "container",
+        "module-policy",
+        (
+            "bn_container.bn1",
+            "bn_container.bn2",
+            "bn_container.bn3",
+            "bn_container.sync_bn",
+            "bn_container",
+            "",
+        ),
+    ),
 }
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API},
-       cases={k: {"case": k} for k in W8_CASES})
+@check(
+    area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, cases={k: {"case": k} for k in W8_CASES}
+)
 def fsdp1_or_policy_units(ctx, case):
     """W8/W9: FSDP1 with ``_or_policy`` / the per-class helper as ``auto_wrap_policy`` builds
     exactly the expected units: every norm layer its own unit, ``lin`` never; a container policy
@@ -745,8 +926,10 @@ def fsdp1_or_policy_units(ctx, case):
     units inside the container's unit."""
     ns = ctx.impl.ns
     or_policy = _wrap_api(ctx, "_or_policy")
-    per_class = functools.partial(_wrap_api(ctx, "_wrap_module_cls_individually"),
-                                  module_classes=(nn.modules.batchnorm._BatchNorm,))
+    per_class = functools.partial(
+        _wrap_api(ctx, "_wrap_module_cls_individually"),
+        module_classes=(nn.modules.batchnorm._BatchNorm,),
+    )
     model_name, with_or, units = W8_CASES[case]
 
     def container_policy(module, recurse, nonwrapped_numel):
@@ -754,19 +937,27 @@ def fsdp1_or_policy_units(ctx, case):
 
     if model_name == "bn_net":
         model = zoo.BatchNormNet()
-        policy = functools.partial(or_policy, policies=[_never, per_class]) if with_or else per_class
+        policy = (
+            functools.partial(or_policy, policies=[_never, per_class]) if with_or else per_class
+        )
     else:
         model = zoo.BatchNormContainer()
         if with_or == "module-policy":
             container_policy = ns.wrap.ModuleWrapPolicy({zoo.BatchNormNet})
-        policy = (functools.partial(or_policy, policies=[container_policy, per_class]) if with_or
-                  else container_policy)
+        policy = (
+            functools.partial(or_policy, policies=[container_policy, per_class])
+            if with_or
+            else container_policy
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy,
-                                              device_id=_device_id(ctx))
+        wrapped = ns.FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, device_id=_device_id(ctx)
+        )
     got = sorted(_fsdp1_units(ctx, wrapped))
-    assert got == sorted(units), f"{ctx.where()} W8 {case}: FSDP modules {got}, expected {sorted(units)}"
+    assert got == sorted(units), (
+        f"{ctx.where()} W8 {case}: FSDP modules {got}, expected {sorted(units)}"
+    )
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
@@ -793,19 +984,31 @@ def post_order_apply(ctx):
     originals = [model[0], model[2][1]]
     apply(model, lambda m: Box(m) if any(m is o for o in originals) else None)
     assert isinstance(model[0], Box) and model[0].module is originals[0], (
-        f"{ctx.where()} W13: the module returned for 0 did not replace it ({type(model[0]).__name__})")
+        f"{ctx.where()} W13: the module returned for 0 did not replace it ({type(model[0]).__name__})"
+    )
     assert isinstance(model[2][1], Box) and model[2][1].module is originals[1], (
-        f"{ctx.where()} W13: the module returned for 2.1 did not replace it")
-    assert isinstance(model[1], nn.Linear), f"{ctx.where()} W13: 1 was replaced by {type(model[1]).__name__}"
+        f"{ctx.where()} W13: the module returned for 2.1 did not replace it"
+    )
+    assert isinstance(model[1], nn.Linear), (
+        f"{ctx.where()} W13: 1 was replaced by {type(model[1]).__name__}"
+    )
 
     model = zoo.nested_sequential()
-    _expect_raise(ctx, "W13 replacing the root", AssertionError,
-                  f"Non-root modules should have their parent module set but got None for {model}",
-                  lambda: apply(model, lambda m: Box(m) if m is model else None))
+    _expect_raise(
+        ctx,
+        "W13 replacing the root",
+        AssertionError,
+        f"Non-root modules should have their parent module set but got None for {model}",
+        lambda: apply(model, lambda m: Box(m) if m is model else None),
+    )
     model = zoo.nested_sequential()
-    _expect_raise(ctx, "W13 a non-module return", AssertionError,
-                  "fn should return None or an nn.Module but got 1",
-                  lambda: apply(model, lambda m: 1 if m is model[0] else None))
+    _expect_raise(
+        ctx,
+        "W13 a non-module return",
+        AssertionError,
+        "fn should return None or an nn.Module but got 1",
+        lambda: apply(model, lambda m: 1 if m is model[0] else None),
+    )
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
@@ -820,21 +1023,28 @@ def recursive_wrap_numel(ctx):
     inner = model[2]
     out, numel = recursive_wrap(model, policy, Box, set(), set(), tag="t")
     assert isinstance(out, Box) and out.module is model and numel == 120, (
-        f"{ctx.where()} W14 returned ({type(out).__name__}, {numel}), expected (Box(root), 120)")
-    assert isinstance(model[2], Box) and model[2].module is inner and model[2].kwargs == {"tag": "t"}, (
-        f"{ctx.where()} W14: 2 is {type(model[2]).__name__}, expected Box(2) with the kwargs")
+        f"{ctx.where()} W14 returned ({type(out).__name__}, {numel}), expected (Box(root), 120)"
+    )
+    assert (
+        isinstance(model[2], Box) and model[2].module is inner and model[2].kwargs == {"tag": "t"}
+    ), f"{ctx.where()} W14: 2 is {type(model[2]).__name__}, expected Box(2) with the kwargs"
     assert isinstance(model[0], nn.Linear), f"{ctx.where()} W14: 0 (30 < 40) was wrapped"
 
     model = zoo.nested_sequential()
     out, numel = recursive_wrap(model, policy, Box, set(), set(), only_wrap_children=True)
     assert out is model and numel == 60 and isinstance(model[2], Box), (
         f"{ctx.where()} W14 only_wrap_children: returned ({type(out).__name__}, {numel}), expected "
-        f"(the root itself, 60) with 2 wrapped")
+        f"(the root itself, 60) with 2 wrapped"
+    )
 
     model = nn.Sequential(nn.Linear(5, 5), Box(nn.Linear(5, 5)))
-    _expect_raise(ctx, "W14 an already wrapped child", AssertionError,
-                  f"Child module {model[1]} is already wrapped by {Box}",
-                  lambda: recursive_wrap(model, policy, Box, set(), set()))
+    _expect_raise(
+        ctx,
+        "W14 an already wrapped child",
+        AssertionError,
+        f"Child module {model[1]} is already wrapped by {Box}",
+        lambda: recursive_wrap(model, policy, Box, set(), set()),
+    )
 
 
 @check(area="wrap", requires={base.AUTO_WRAP})
@@ -845,47 +1055,72 @@ def zero_argument_forward(ctx):
     model = ctx.impl.shard(zoo.ZeroArgNet().to(ctx.device), ctx)
     out = model()
     assert torch.equal(out.detach().cpu(), expected), (
-        f"{ctx.where()} W15 forward() returned {out.tolist()}, expected {expected.tolist()}")
+        f"{ctx.where()} W15 forward() returned {out.tolist()}, expected {expected.tolist()}"
+    )
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters()), (
-        f"{ctx.where()} W15: backward after a zero-argument forward left a parameter without grad")
+        f"{ctx.where()} W15: backward after a zero-argument forward left a parameter without grad"
+    )
 
 
 def _states_by_name(model: nn.Module, states) -> dict[str, tuple[set[str], set[str]]]:
     names = _names(model)
     params = {id(p): n for n, p in model.named_parameters()}
     buffers = {id(b): n for n, b in model.named_buffers()}
-    return {names[id(unit)]: ({params[id(p)] for p in state.params},
-                              {buffers[id(b)] for b in state.buffers})
-            for unit, state in states.items()}
+    return {
+        names[id(unit)]: (
+            {params[id(p)] for p in state.params},
+            {buffers[id(b)] for b in state.buffers},
+        )
+        for unit, state in states.items()
+    }
 
 
 W16_CASES = {
     # shared parameter between a parent unit (root, through lin) and a child unit (seq2.0): the
     # parent walks first (modules() order) and takes it
-    "parent-child": ("parent-child", False, {
-        "": ({"lin.weight"}, set()),
-        "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
-        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
-        "seq2.0": (set(), set())}),
+    "parent-child": (
+        "parent-child",
+        False,
+        {
+            "": ({"lin.weight"}, set()),
+            "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
+            "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+            "seq2.0": (set(), set()),
+        },
+    ),
     # shared between siblings (seq1.0 and seq2.0.0), LCA variant: their lowest common ancestor's
     # unit (the root) takes it
-    "siblings-lca": ("siblings", True, {
-        "": ({"lin.weight", "seq1.0.weight"}, set()),
-        "seq1": ({"seq1.1.weight"}, {"seq1.seq1_buffer"}),
-        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
-        "seq2.0": (set(), set())}),
+    "siblings-lca": (
+        "siblings",
+        True,
+        {
+            "": ({"lin.weight", "seq1.0.weight"}, set()),
+            "seq1": ({"seq1.1.weight"}, {"seq1.seq1_buffer"}),
+            "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+            "seq2.0": (set(), set()),
+        },
+    ),
     # an ignored parameter (seq1.1.weight) belongs to no unit, and the others keep their owners
-    "ignored-param": ("parent-child", False, {
-        "": ({"lin.weight"}, set()),
-        "seq1": ({"seq1.0.weight"}, {"seq1.seq1_buffer"}),
-        "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
-        "seq2.0": (set(), set())}),
+    "ignored-param": (
+        "parent-child",
+        False,
+        {
+            "": ({"lin.weight"}, set()),
+            "seq1": ({"seq1.0.weight"}, {"seq1.seq1_buffer"}),
+            "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+            "seq2.0": (set(), set()),
+        },
+    ),
 }
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,),
-       cases={k: {"case": k} for k in W16_CASES})
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP1_API},
+    world_sizes=(1,),
+    cases={k: {"case": k} for k in W16_CASES},
+)
 def module_to_states(ctx, case):
     """W16 (seed era; removed upstream in torch 2.13, so not supported there):
     ``_get_fully_sharded_module_to_states`` maps the root and each unit ModuleWrapPolicy({Sequential})
@@ -905,15 +1140,20 @@ def module_to_states(ctx, case):
     got = _states_by_name(model, states)
     assert list(got) == ["", "seq1", "seq2", "seq2.0"], (
         f"{ctx.where()} W16 {case}: units {list(got)}, expected ['', 'seq1', 'seq2', 'seq2.0'] "
-        "(modules() order)")
+        "(modules() order)"
+    )
     for unit, (params, buffers) in want.items():
         assert got[unit] == (params, buffers), (
             f"{ctx.where()} W16 {case}: unit {unit!r} owns params {sorted(got[unit][0])} buffers "
-            f"{sorted(got[unit][1])}, expected {sorted(params)} / {sorted(buffers)}")
+            f"{sorted(got[unit][1])}, expected {sorted(params)} / {sorted(buffers)}"
+        )
 
 
-@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API, base.MIXED_PRECISION},
-       cases={"module-policy": {"never": False}, "never-policy": {"never": True}})
+@check(
+    area="wrap",
+    requires={base.AUTO_WRAP, base.FSDP1_API, base.MIXED_PRECISION},
+    cases={"module-policy": {"never": False}, "never-policy": {"never": True}},
+)
 def fsdp1_batch_norm_override_forward(ctx, never):
     """W11: under FSDP1 with fp16 mixed precision and an auto_wrap_policy, the batch norm's own
     unit computes in fp32 (its input is cast up and its weight is fp32) and hands its output back
@@ -924,15 +1164,19 @@ def fsdp1_batch_norm_override_forward(ctx, never):
     policy = _never if never else ns.wrap.ModuleWrapPolicy({nn.Linear})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy,
-                                              mixed_precision=_mp(ns, True), device_id=_device_id(ctx))
+        wrapped = ns.FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, mixed_precision=_mp(ns, True), device_id=_device_id(ctx)
+        )
     bn_out = []
     model.bn.register_forward_hook(lambda m, args, out: bn_out.append(out.dtype))
     out = wrapped(torch.randn(4, 4, device=ctx.device))
     assert model.bn.seen == [(torch.float32, torch.float32)], (
         f"{ctx.where()} W11 the batch norm saw (input, weight) dtypes {model.bn.seen}, expected "
-        "[(float32, float32)] (mixed precision disabled for its unit)")
-    assert bn_out == [FP16], f"{ctx.where()} W11 the batch norm's output was {bn_out}, expected [float16] (cast back)"
+        "[(float32, float32)] (mixed precision disabled for its unit)"
+    )
+    assert bn_out == [FP16], (
+        f"{ctx.where()} W11 the batch norm's output was {bn_out}, expected [float16] (cast back)"
+    )
     assert out.dtype == FP16, f"{ctx.where()} W11 output dtype {out.dtype}, expected float16"
     out.float().sum().backward()
 
@@ -949,19 +1193,27 @@ def policy_callables(ctx):
     lin, mha, mlist = nn.Linear(2, 2), nn.MultiheadAttention(4, 1), nn.ModuleList([nn.Linear(2, 2)])
     size40 = functools.partial(W.size_based_auto_wrap_policy, min_num_params=40)
     module_policy = W.ModuleWrapPolicy({nn.Linear})
-    transformer = functools.partial(W.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    transformer = functools.partial(
+        W.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}
+    )
     lam = functools.partial(W.lambda_auto_wrap_policy, lambda_fn=lambda m: m is lin)
     cases = [
-        ("size_based(40)", size40, lin, True, 39, False), ("size_based(40)", size40, lin, True, 40, True),
-        ("size_based(40)", size40, lin, False, 39, False), ("size_based(40)", size40, lin, False, 40, True),
-        ("size_based(40)", size40, mha, True, 400, False), ("size_based(40)", size40, mha, False, 400, True),
-        ("size_based(40)", size40, mlist, True, 400, True), ("size_based(40)", size40, mlist, False, 400, False),
+        ("size_based(40)", size40, lin, True, 39, False),
+        ("size_based(40)", size40, lin, True, 40, True),
+        ("size_based(40)", size40, lin, False, 39, False),
+        ("size_based(40)", size40, lin, False, 40, True),
+        ("size_based(40)", size40, mha, True, 400, False),
+        ("size_based(40)", size40, mha, False, 400, True),
+        ("size_based(40)", size40, mlist, True, 400, True),
+        ("size_based(40)", size40, mlist, False, 400, False),
         ("ModuleWrapPolicy", module_policy, mha, True, 0, True),
         ("ModuleWrapPolicy", module_policy, lin, False, 0, True),
         ("ModuleWrapPolicy", module_policy, mha, False, 0, False),
-        ("transformer", transformer, mha, True, 0, True), ("transformer", transformer, lin, False, 0, True),
+        ("transformer", transformer, mha, True, 0, True),
+        ("transformer", transformer, lin, False, 0, True),
         ("transformer", transformer, mha, False, 0, False),
-        ("lambda", lam, mha, True, 0, True), ("lambda", lam, lin, False, 0, True),
+        ("lambda", lam, mha, True, 0, True),
+        ("lambda", lam, lin, False, 0, True),
         ("lambda", lam, mha, False, 0, False),
         ("always", W.always_wrap_policy, mha, False, 0, True),
     ]
@@ -969,8 +1221,10 @@ def policy_callables(ctx):
         got = policy(module=module, recurse=recurse, nonwrapped_numel=numel)
         assert bool(got) is want and isinstance(got, bool), (
             f"{ctx.where()} {name}({type(module).__name__}, recurse={recurse}, nonwrapped_numel="
-            f"{numel}) = {got!r}, expected {want}")
+            f"{numel}) = {got!r}, expected {want}"
+        )
     tail = f"({ {nn.Linear} })"
     assert repr(module_policy).endswith(tail), (
         f"{ctx.where()} W9 repr(ModuleWrapPolicy({{Linear}})) = {module_policy!r}, expected it to end "
-        f"with {tail!r}")
+        f"with {tail!r}"
+    )

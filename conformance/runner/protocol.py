@@ -31,7 +31,9 @@ class Task:
     impl: str | None
     kwargs: dict = field(default_factory=dict)
     timeout: float = 60.0  # seconds
-    timeout_text: str = ""  # how the timeout came about, for messages ("30 s (3 x --check-timeout 10)")
+    timeout_text: str = (
+        ""  # how the timeout came about, for messages ("30 s (3 x --check-timeout 10)")
+    )
 
 
 @dataclass

@@ -17,7 +17,7 @@ __all__ = ["FAULTS", "Fault", "FaultAdapter"]
 def __getattr__(name: str):
     """``fault_<id>``: a zero-argument factory of that fault's adapter (for ``--impl``)."""
     if name.startswith("fault_"):
-        fault_id = name[len("fault_"):].replace("_", "-")
+        fault_id = name[len("fault_") :].replace("_", "-")
         if fault_id in FAULTS:
             return adapter_factory(fault_id)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,8 +32,11 @@ def modules_under(package: str) -> list[ModuleType]:
                 importlib.import_module(info.name)
             except Exception:  # noqa: BLE001 - an optional submodule; the target search decides
                 continue
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == package or name.startswith(package + "."))]
+    return [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == package or name.startswith(package + "."))
+    ]
 
 
 def resolve(target: str) -> tuple[object, str, object, list[ModuleType]]:
@@ -49,9 +52,11 @@ def resolve(target: str) -> tuple[object, str, object, list[ModuleType]]:
         modules = modules_under(package)
     except ImportError as exc:
         raise BrokenFault(f"target {target!r}: package {package!r} not importable: {exc}") from exc
-    defined = {id(obj): obj for m in modules
-               if (obj := vars(m).get(head)) is not None
-               and getattr(obj, "__module__", None) == m.__name__}
+    defined = {
+        id(obj): obj
+        for m in modules
+        if (obj := vars(m).get(head)) is not None and getattr(obj, "__module__", None) == m.__name__
+    }
     if len(defined) != 1:
         where = "no module" if not defined else f"{len(defined)} different objects"
         raise BrokenFault(f"target {target!r}: {where} under {package!r} defines {head!r}")

@@ -44,8 +44,17 @@ class Fault:
 FAULTS: dict[str, Fault] = {}
 
 
-def fault(id: str, impl: str, behaviour: str, area: str, target: str, description: str,
-          *, world_sizes=(2,), fast: bool = False):
+def fault(
+    id: str,
+    impl: str,
+    behaviour: str,
+    area: str,
+    target: str,
+    description: str,
+    *,
+    world_sizes=(2,),
+    fast: bool = False,
+):
     """Register the decorated ``make(original) -> replacement`` as a seeded fault."""
     if impl not in BUILTIN_TARGETS:
         raise ValueError(f"fault {id}: impl must be one of {BUILTIN_TARGETS}, not {impl!r}")
@@ -53,8 +62,9 @@ def fault(id: str, impl: str, behaviour: str, area: str, target: str, descriptio
         raise ValueError(f"fault id {id!r} is taken or contains '_' (use '-')")
 
     def register(make):
-        FAULTS[id] = Fault(id, impl, behaviour, area, description, target, make,
-                           tuple(world_sizes), fast)
+        FAULTS[id] = Fault(
+            id, impl, behaviour, area, description, target, make, tuple(world_sizes), fast
+        )
         return make
 
     return register

@@ -27,14 +27,19 @@ def _garbage_flat_padding(result, self, *args, **kwargs):
     pad = getattr(flat, "_shard_numel_padded", 0)
     if pad:
         with torch.no_grad():
-            flat.data[flat.numel() - pad:].fill_(7.0)
+            flat.data[flat.numel() - pad :].fill_(7.0)
     return result
 
 
-fault("r1-flat-padding-garbage", "reference-fsdp1", "S7", "layout",
-      f"{REF1}:FlatParamHandle._init_flat_param",
-      "the padding at the end of a rank's flat shard holds 7.0 instead of zeros",
-      fast=True)(wrap(after=_garbage_flat_padding))
+fault(
+    "r1-flat-padding-garbage",
+    "reference-fsdp1",
+    "S7",
+    "layout",
+    f"{REF1}:FlatParamHandle._init_flat_param",
+    "the padding at the end of a rank's flat shard holds 7.0 instead of zeros",
+    fast=True,
+)(wrap(after=_garbage_flat_padding))
 
 
 def _torch_garbage_get_shard(original):
@@ -43,24 +48,35 @@ def _torch_garbage_get_shard(original):
     def get_shard(tensor, rank, world_size):
         shard, numel_to_pad = function(tensor, rank, world_size)
         if numel_to_pad:
-            shard[shard.numel() - numel_to_pad:].fill_(7.0)
+            shard[shard.numel() - numel_to_pad :].fill_(7.0)
         return shard, numel_to_pad
 
     return staticmethod(get_shard)
 
 
-fault("t1-flat-padding-garbage", "torch-fsdp1", "S7", "layout", f"{TORCH}:FlatParamHandle._get_shard",
-      "upstream: the padding at the end of a rank's flat shard holds 7.0 instead of zeros",
-      world_sizes=(3,))(_torch_garbage_get_shard)
+fault(
+    "t1-flat-padding-garbage",
+    "torch-fsdp1",
+    "S7",
+    "layout",
+    f"{TORCH}:FlatParamHandle._get_shard",
+    "upstream: the padding at the end of a rank's flat shard holds 7.0 instead of zeros",
+    world_sizes=(3,),
+)(_torch_garbage_get_shard)
 
 
 def _summed_grads(result, self, *args, **kwargs):
     return result * self.world_size
 
 
-fault("r1-grads-summed", "reference-fsdp1", "P6", "state_dict", f"{REF1}:FlatParamHandle._reduce_grad",
-      "FSDP1 flat gradients are summed over ranks, not averaged (training drifts from the oracle)",
-      )(wrap(after=_summed_grads))
+fault(
+    "r1-grads-summed",
+    "reference-fsdp1",
+    "P6",
+    "state_dict",
+    f"{REF1}:FlatParamHandle._reduce_grad",
+    "FSDP1 flat gradients are summed over ranks, not averaged (training drifts from the oracle)",
+)(wrap(after=_summed_grads))
 
 
 # ----------------------------------------------------------------------------- state dicts
@@ -68,25 +84,45 @@ def _keep_fsdp_prefix(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-fault("r1-keys-keep-prefix", "reference-fsdp1", "S1", "state_dict", f"{REF1}:clean_tensor_name",
-      "state-dict keys keep FSDP's '_fsdp_wrapped_module.' prefix",
-      fast=True)(replace_with(_keep_fsdp_prefix))
-fault("t1-keys-keep-prefix", "torch-fsdp1", "S1", "state_dict", f"{TORCH}:clean_tensor_name",
-      "upstream: state-dict keys keep FSDP's '_fsdp_wrapped_module.' prefix",
-      )(replace_with(_keep_fsdp_prefix))
+fault(
+    "r1-keys-keep-prefix",
+    "reference-fsdp1",
+    "S1",
+    "state_dict",
+    f"{REF1}:clean_tensor_name",
+    "state-dict keys keep FSDP's '_fsdp_wrapped_module.' prefix",
+    fast=True,
+)(replace_with(_keep_fsdp_prefix))
+fault(
+    "t1-keys-keep-prefix",
+    "torch-fsdp1",
+    "S1",
+    "state_dict",
+    f"{TORCH}:clean_tensor_name",
+    "upstream: state-dict keys keep FSDP's '_fsdp_wrapped_module.' prefix",
+)(replace_with(_keep_fsdp_prefix))
 
 
 def _rank0_only_dropped(result, self, *args, **kwargs):
     self.rank0_only = False
 
 
-fault("r1-rank0-only-ignored", "reference-fsdp1", "S3", "state_dict",
-      "reference:FullStateDictConfig.__init__",
-      "FullStateDictConfig(rank0_only=True) is ignored: every rank gets the full dict",
-      )(wrap(after=_rank0_only_dropped))
-fault("t1-rank0-only-ignored", "torch-fsdp1", "S3", "state_dict", f"{TORCH}:FullStateDictConfig.__init__",
-      "upstream: FullStateDictConfig(rank0_only=True) is ignored: every rank gets the full dict",
-      )(wrap(after=_rank0_only_dropped))
+fault(
+    "r1-rank0-only-ignored",
+    "reference-fsdp1",
+    "S3",
+    "state_dict",
+    "reference:FullStateDictConfig.__init__",
+    "FullStateDictConfig(rank0_only=True) is ignored: every rank gets the full dict",
+)(wrap(after=_rank0_only_dropped))
+fault(
+    "t1-rank0-only-ignored",
+    "torch-fsdp1",
+    "S3",
+    "state_dict",
+    f"{TORCH}:FullStateDictConfig.__init__",
+    "upstream: FullStateDictConfig(rank0_only=True) is ignored: every rank gets the full dict",
+)(wrap(after=_rank0_only_dropped))
 
 
 def _low_precision_buffers_ref(result, state, state_dict, prefix, *args, **kwargs):
@@ -99,10 +135,14 @@ def _low_precision_buffers_ref(result, state, state_dict, prefix, *args, **kwarg
     return result
 
 
-fault("r1-buffers-low-precision", "reference-fsdp1", "S12", "state_dict",
-      f"{REF1}:_unshard_post_state_dict",
-      "with buffer mixed precision, buffers are saved in buffer_dtype instead of their own dtype",
-      )(wrap(after=_low_precision_buffers_ref))
+fault(
+    "r1-buffers-low-precision",
+    "reference-fsdp1",
+    "S12",
+    "state_dict",
+    f"{REF1}:_unshard_post_state_dict",
+    "with buffer mixed precision, buffers are saved in buffer_dtype instead of their own dtype",
+)(wrap(after=_low_precision_buffers_ref))
 
 
 def _low_precision_buffers_torch(result, module, fsdp_state, state_dict, prefix, *args, **kwargs):
@@ -115,10 +155,14 @@ def _low_precision_buffers_torch(result, module, fsdp_state, state_dict, prefix,
     return result
 
 
-fault("t1-buffers-low-precision", "torch-fsdp1", "S12", "state_dict",
-      f"{TORCH}:_full_post_state_dict_hook",
-      "upstream: with buffer mixed precision, FULL dicts hold buffers in buffer_dtype",
-      )(wrap(after=_low_precision_buffers_torch))
+fault(
+    "t1-buffers-low-precision",
+    "torch-fsdp1",
+    "S12",
+    "state_dict",
+    f"{TORCH}:_full_post_state_dict_hook",
+    "upstream: with buffer mixed precision, FULL dicts hold buffers in buffer_dtype",
+)(wrap(after=_low_precision_buffers_torch))
 
 
 def _local_with_padding(original):
@@ -137,10 +181,15 @@ def _local_with_padding(original):
     return local_post_state_dict
 
 
-fault("r1-local-keeps-padding", "reference-fsdp1", "S7", "state_dict",
-      f"{REF1}:_local_post_state_dict",
-      "LOCAL_STATE_DICT keeps the flat shard's padding in the saved local shard",
-      world_sizes=(3,))(_local_with_padding)
+fault(
+    "r1-local-keeps-padding",
+    "reference-fsdp1",
+    "S7",
+    "state_dict",
+    f"{REF1}:_local_post_state_dict",
+    "LOCAL_STATE_DICT keeps the flat shard's padding in the saved local shard",
+    world_sizes=(3,),
+)(_local_with_padding)
 
 
 def _drop_empty_flat_param(result, state, state_dict, prefix):
@@ -150,30 +199,45 @@ def _drop_empty_flat_param(result, state, state_dict, prefix):
     return result
 
 
-fault("r1-local-drops-empty-unit", "reference-fsdp1", "S6", "state_dict",
-      f"{REF1}:_local_post_state_dict",
-      "LOCAL_STATE_DICT leaves out the flat parameter of a unit with no elements",
-      world_sizes=(2,))(wrap(after=_drop_empty_flat_param))
+fault(
+    "r1-local-drops-empty-unit",
+    "reference-fsdp1",
+    "S6",
+    "state_dict",
+    f"{REF1}:_local_post_state_dict",
+    "LOCAL_STATE_DICT leaves out the flat parameter of a unit with no elements",
+    world_sizes=(2,),
+)(wrap(after=_drop_empty_flat_param))
 
 
 def _type_not_restored(original):
     @contextlib.contextmanager
     def state_dict_type(module, state_dict_type, state_dict_config=None, *args, **kwargs):
-        fsdp_cls = next(type(m) for m in module.modules() if hasattr(type(m), "set_state_dict_type"))
+        fsdp_cls = next(
+            type(m) for m in module.modules() if hasattr(type(m), "set_state_dict_type")
+        )
         fsdp_cls.set_state_dict_type(module, state_dict_type, state_dict_config, *args, **kwargs)
         yield  # the bug: the previous type is never restored
 
     return staticmethod(state_dict_type)
 
 
-fault("r1-state-dict-type-leaks", "reference-fsdp1", "S9", "state_dict",
-      f"{REF1}:FullyShardedDataParallel.state_dict_type",
-      "FSDP.state_dict_type(...) does not restore the previous type on exit",
-      )(_type_not_restored)
-fault("t1-state-dict-type-leaks", "torch-fsdp1", "S9", "state_dict",
-      f"{TORCH}:FullyShardedDataParallel.state_dict_type",
-      "upstream: FSDP.state_dict_type(...) does not restore the previous type on exit",
-      )(_type_not_restored)
+fault(
+    "r1-state-dict-type-leaks",
+    "reference-fsdp1",
+    "S9",
+    "state_dict",
+    f"{REF1}:FullyShardedDataParallel.state_dict_type",
+    "FSDP.state_dict_type(...) does not restore the previous type on exit",
+)(_type_not_restored)
+fault(
+    "t1-state-dict-type-leaks",
+    "torch-fsdp1",
+    "S9",
+    "state_dict",
+    f"{TORCH}:FullyShardedDataParallel.state_dict_type",
+    "upstream: FSDP.state_dict_type(...) does not restore the previous type on exit",
+)(_type_not_restored)
 
 
 def _uncleaned_incompatible_keys(original):
@@ -186,14 +250,23 @@ def _uncleaned_incompatible_keys(original):
     return post_load_hook
 
 
-fault("r1-incompatible-keys-uncleaned", "reference-fsdp1", "S11", "state_dict",
-      f"{REF1}:_post_load_state_dict_hook",
-      "load_state_dict(strict=False) reports missing/unexpected keys with FSDP's wrapper prefix",
-      )(_uncleaned_incompatible_keys)
+fault(
+    "r1-incompatible-keys-uncleaned",
+    "reference-fsdp1",
+    "S11",
+    "state_dict",
+    f"{REF1}:_post_load_state_dict_hook",
+    "load_state_dict(strict=False) reports missing/unexpected keys with FSDP's wrapper prefix",
+)(_uncleaned_incompatible_keys)
 
-fault("r1-load-not-validated", "reference-fsdp1", "S5", "state_dict", f"{REF1}:_validate_load_input",
-      "a FULL/SHARDED/LOCAL load does not validate keys, shapes and types before copying",
-      )(replace_with(lambda *args, **kwargs: None))
+fault(
+    "r1-load-not-validated",
+    "reference-fsdp1",
+    "S5",
+    "state_dict",
+    f"{REF1}:_validate_load_input",
+    "a FULL/SHARDED/LOCAL load does not validate keys, shapes and types before copying",
+)(replace_with(lambda *args, **kwargs: None))
 
 
 def _no_clamp(strategy, world_size):
@@ -202,43 +275,83 @@ def _no_clamp(strategy, world_size):
     return strategy or ShardingStrategy.FULL_SHARD
 
 
-fault("r1-ws1-not-clamped", "reference-fsdp1", "S8", "state_dict", f"{REF1}:_clamp_strategy",
-      "at world size 1 the sharding strategy is not clamped to NO_SHARD",
-      world_sizes=(1,))(replace_with(_no_clamp))
+fault(
+    "r1-ws1-not-clamped",
+    "reference-fsdp1",
+    "S8",
+    "state_dict",
+    f"{REF1}:_clamp_strategy",
+    "at world size 1 the sharding strategy is not clamped to NO_SHARD",
+    world_sizes=(1,),
+)(replace_with(_no_clamp))
 
 
 # -------------------------------------------------------------------- wrap policies (W1-W13)
 def _size_policy(min_delta=0, no_exclude=False, no_force_leaf=False):
     def make(original):
         @functools.wraps(original)
-        def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel,
-                                        min_num_params=int(1e8), force_leaf_modules=None,
-                                        exclude_wrap_modules=None):
+        def size_based_auto_wrap_policy(
+            module,
+            recurse,
+            nonwrapped_numel,
+            min_num_params=int(1e8),
+            force_leaf_modules=None,
+            exclude_wrap_modules=None,
+        ):
             if no_exclude and exclude_wrap_modules is None:
                 exclude_wrap_modules = set()
             if no_force_leaf and force_leaf_modules is None:
                 force_leaf_modules = set()
-            return original(module, recurse, nonwrapped_numel, min_num_params + min_delta,
-                            force_leaf_modules, exclude_wrap_modules)
+            return original(
+                module,
+                recurse,
+                nonwrapped_numel,
+                min_num_params + min_delta,
+                force_leaf_modules,
+                exclude_wrap_modules,
+            )
 
         return size_based_auto_wrap_policy
 
     return make
 
 
-fault("w-size-threshold-strict", "reference-fsdp1", "W1", "wrap",
-      f"{WRAP}:size_based_auto_wrap_policy",
-      "size_based_auto_wrap_policy wraps only above min_num_params (> instead of >=)",
-      fast=True)(_size_policy(min_delta=1))
-fault("t1-size-threshold-strict", "torch-fsdp1", "W1", "wrap", f"{TORCH}:size_based_auto_wrap_policy",
-      "upstream: size_based_auto_wrap_policy wraps only above min_num_params",
-      world_sizes=(1,))(_size_policy(min_delta=1))
-fault("w-containers-wrapped", "reference", "W3", "wrap", f"{WRAP}:size_based_auto_wrap_policy",
-      "size_based_auto_wrap_policy's default no longer excludes ModuleList/ModuleDict",
-      world_sizes=(1,))(_size_policy(no_exclude=True))
-fault("w-attention-recursed", "reference-fsdp1", "W4", "wrap", f"{WRAP}:size_based_auto_wrap_policy",
-      "size_based_auto_wrap_policy's default no longer treats MultiheadAttention as a leaf",
-      world_sizes=(1,))(_size_policy(no_force_leaf=True))
+fault(
+    "w-size-threshold-strict",
+    "reference-fsdp1",
+    "W1",
+    "wrap",
+    f"{WRAP}:size_based_auto_wrap_policy",
+    "size_based_auto_wrap_policy wraps only above min_num_params (> instead of >=)",
+    fast=True,
+)(_size_policy(min_delta=1))
+fault(
+    "t1-size-threshold-strict",
+    "torch-fsdp1",
+    "W1",
+    "wrap",
+    f"{TORCH}:size_based_auto_wrap_policy",
+    "upstream: size_based_auto_wrap_policy wraps only above min_num_params",
+    world_sizes=(1,),
+)(_size_policy(min_delta=1))
+fault(
+    "w-containers-wrapped",
+    "reference",
+    "W3",
+    "wrap",
+    f"{WRAP}:size_based_auto_wrap_policy",
+    "size_based_auto_wrap_policy's default no longer excludes ModuleList/ModuleDict",
+    world_sizes=(1,),
+)(_size_policy(no_exclude=True))
+fault(
+    "w-attention-recursed",
+    "reference-fsdp1",
+    "W4",
+    "wrap",
+    f"{WRAP}:size_based_auto_wrap_policy",
+    "size_based_auto_wrap_policy's default no longer treats MultiheadAttention as a leaf",
+    world_sizes=(1,),
+)(_size_policy(no_force_leaf=True))
 
 
 def _custom_policy_dict_replaces(self, root_module, ignored_modules, root_kwargs):
@@ -250,24 +363,52 @@ def _custom_policy_dict_replaces(self, root_module, ignored_modules, root_kwargs
     return targets
 
 
-fault("w-custom-dict-replaces", "reference", "W10", "wrap", f"{WRAP}:CustomPolicy._run_policy",
-      "a CustomPolicy dict answer replaces the root kwargs instead of updating a copy of them",
-      world_sizes=(1,))(replace_with(_custom_policy_dict_replaces))
+fault(
+    "w-custom-dict-replaces",
+    "reference",
+    "W10",
+    "wrap",
+    f"{WRAP}:CustomPolicy._run_policy",
+    "a CustomPolicy dict answer replaces the root kwargs instead of updating a copy of them",
+    world_sizes=(1,),
+)(replace_with(_custom_policy_dict_replaces))
 
-fault("w-mp-override-silent", "reference-fsdp1", "W11", "wrap",
-      f"{WRAP}:_warn_on_overridden_mixed_precision",
-      "the batch-norm mixed-precision override happens without its UserWarning",
-      world_sizes=(1,))(replace_with(lambda classes: None))
-fault("w-mp-override-skipped", "reference", "W11", "wrap",
-      f"{WRAP}:_run_mixed_precision_override_policy",
-      "mixed precision + a policy no longer splits batch norms into fp32 units",
-      world_sizes=(1,))(replace_with(lambda root, classes, ignored, kwargs, targets: targets))
-fault("w-frozen-not-validated", "reference-fsdp1", "W12", "wrap", f"{WRAP}:_validate_frozen_params",
-      "a unit mixing frozen and trainable parameters is neither rejected nor warned about",
-      world_sizes=(1,))(replace_with(lambda *args, **kwargs: None))
-fault("w-already-wrapped-allowed", "reference-fsdp1", "W6", "wrap", f"{WRAP}:_check_nested_wrapping",
-      "auto-wrapping a tree that already holds an FSDP module is not rejected",
-      world_sizes=(1,))(replace_with(lambda root: None))
+fault(
+    "w-mp-override-silent",
+    "reference-fsdp1",
+    "W11",
+    "wrap",
+    f"{WRAP}:_warn_on_overridden_mixed_precision",
+    "the batch-norm mixed-precision override happens without its UserWarning",
+    world_sizes=(1,),
+)(replace_with(lambda classes: None))
+fault(
+    "w-mp-override-skipped",
+    "reference",
+    "W11",
+    "wrap",
+    f"{WRAP}:_run_mixed_precision_override_policy",
+    "mixed precision + a policy no longer splits batch norms into fp32 units",
+    world_sizes=(1,),
+)(replace_with(lambda root, classes, ignored, kwargs, targets: targets))
+fault(
+    "w-frozen-not-validated",
+    "reference-fsdp1",
+    "W12",
+    "wrap",
+    f"{WRAP}:_validate_frozen_params",
+    "a unit mixing frozen and trainable parameters is neither rejected nor warned about",
+    world_sizes=(1,),
+)(replace_with(lambda *args, **kwargs: None))
+fault(
+    "w-already-wrapped-allowed",
+    "reference-fsdp1",
+    "W6",
+    "wrap",
+    f"{WRAP}:_check_nested_wrapping",
+    "auto-wrapping a tree that already holds an FSDP module is not rejected",
+    world_sizes=(1,),
+)(replace_with(lambda root: None))
 
 
 def _overrides_dropped(original):
@@ -277,15 +418,24 @@ def _overrides_dropped(original):
     return wrap_fn
 
 
-fault("w-wrap-overrides-dropped", "reference-fsdp1", "W7", "wrap", f"{WRAP}:wrap",
-      "wrap(module, **overrides) inside enable_wrap ignores the per-call overrides",
-      world_sizes=(1,))(_overrides_dropped)
+fault(
+    "w-wrap-overrides-dropped",
+    "reference-fsdp1",
+    "W7",
+    "wrap",
+    f"{WRAP}:wrap",
+    "wrap(module, **overrides) inside enable_wrap ignores the per-call overrides",
+    world_sizes=(1,),
+)(_overrides_dropped)
 
 
 def _parents_first(original):
     def post_order_apply(root_module, fn):
-        parents = {child: (parent, name) for parent in root_module.modules()
-                   for name, child in parent.named_children()}
+        parents = {
+            child: (parent, name)
+            for parent in root_module.modules()
+            for name, child in parent.named_children()
+        }
         for module in list(root_module.modules())[1:]:  # the bug: pre-order, parents first
             replacement = fn(module)
             if replacement is not None:
@@ -295,9 +445,15 @@ def _parents_first(original):
     return post_order_apply
 
 
-fault("w-pre-order-apply", "reference", "W13", "wrap", f"{WRAP}:_post_order_apply",
-      "the policy walk visits parents before their children (pre-order), changing the units",
-      world_sizes=(1,))(_parents_first)
+fault(
+    "w-pre-order-apply",
+    "reference",
+    "W13",
+    "wrap",
+    f"{WRAP}:_post_order_apply",
+    "the policy walk visits parents before their children (pre-order), changing the units",
+    world_sizes=(1,),
+)(_parents_first)
 
 
 def _ignored_params_counted(original):
@@ -307,7 +463,12 @@ def _ignored_params_counted(original):
     return module_to_states
 
 
-fault("w-states-ignored-params-owned", "reference-fsdp1", "W16", "wrap",
-      f"{WRAP}:_get_fully_sharded_module_to_states",
-      "the module->states grouping hands ignored parameters to the units",
-      world_sizes=(1,))(_ignored_params_counted)
+fault(
+    "w-states-ignored-params-owned",
+    "reference-fsdp1",
+    "W16",
+    "wrap",
+    f"{WRAP}:_get_fully_sharded_module_to_states",
+    "the module->states grouping hands ignored parameters to the units",
+    world_sizes=(1,),
+)(_ignored_params_counted)

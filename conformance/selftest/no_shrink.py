@@ -16,7 +16,9 @@ def pytest_configure(config):
         return
     budget = getattr(item, "SHRINK_SECONDS", None)
     if not isinstance(budget, dict):
-        raise RuntimeError("selftest: conformance.fuzz.item.SHRINK_SECONDS is gone; update "
-                           "conformance/selftest/no_shrink.py to disable fuzz shrinking")
+        raise RuntimeError(
+            "selftest: conformance.fuzz.item.SHRINK_SECONDS is gone; update "
+            "conformance/selftest/no_shrink.py to disable fuzz shrinking"
+        )
     for key in budget:
         budget[key] = 0.0

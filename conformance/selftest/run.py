@@ -28,17 +28,33 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "and report which checks catch each fault, and the mutation score. Other options are "
         "passed on to the conformance runs (e.g. --check-timeout).",
     )
-    parser.add_argument("-k", "--faults", default="",
-                        help="comma-separated fault ids or parts of ids (default: every fault)")
-    parser.add_argument("--fast", action="store_true",
-                        help="only the fast subset (one fault per area; what `nox -s tests` runs)")
-    parser.add_argument("--world-sizes", default="",
-                        help="only these world sizes: a fault runs at the ones it needs among them")
-    parser.add_argument("--checks", default="",
-                        help="a pytest -k expression narrowing the checks (default: the whole suite)")
-    parser.add_argument("--reports-dir", default="reports",
-                        help="selftest.json / selftest.md go here, each run's reports in "
-                        "selftest-ws<N>/ below it (default reports/)")
+    parser.add_argument(
+        "-k",
+        "--faults",
+        default="",
+        help="comma-separated fault ids or parts of ids (default: every fault)",
+    )
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="only the fast subset (one fault per area; what `nox -s tests` runs)",
+    )
+    parser.add_argument(
+        "--world-sizes",
+        default="",
+        help="only these world sizes: a fault runs at the ones it needs among them",
+    )
+    parser.add_argument(
+        "--checks",
+        default="",
+        help="a pytest -k expression narrowing the checks (default: the whole suite)",
+    )
+    parser.add_argument(
+        "--reports-dir",
+        default="reports",
+        help="selftest.json / selftest.md go here, each run's reports in "
+        "selftest-ws<N>/ below it (default reports/)",
+    )
     parser.add_argument("--list", action="store_true", help="list the selected faults and exit")
     return parser.parse_known_args(argv)
 
@@ -59,27 +75,49 @@ def run_world_size(ws: int, faults: list, args, extra: list[str]) -> tuple[list[
     """One conformance run at world size ``ws``; returns its case records and a problem, if any."""
     controls = sorted({f.impl for f in faults})
     out_dir = Path(args.reports_dir) / f"selftest-ws{ws}"
-    cmd = [sys.executable, "-m", "conformance", "--impl", ",".join(controls + [f.spec for f in faults]),
-           "--world-sizes", str(ws), "--reports-dir", str(out_dir), "-q", "--tb=no",
-           "-p", "no:cacheprovider", "-p", "conformance.selftest.no_shrink",
-           *(["-k", args.checks] if args.checks else []), *extra]
-    print(f"selftest: world size {ws}: {len(faults)} fault(s) + control {', '.join(controls)}",
-          flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "--impl",
+        ",".join(controls + [f.spec for f in faults]),
+        "--world-sizes",
+        str(ws),
+        "--reports-dir",
+        str(out_dir),
+        "-q",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "conformance.selftest.no_shrink",
+        *(["-k", args.checks] if args.checks else []),
+        *extra,
+    ]
+    print(
+        f"selftest: world size {ws}: {len(faults)} fault(s) + control {', '.join(controls)}",
+        flush=True,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "selftest.log"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         tail: list[str] = []
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line.rstrip()])[-40:]
             if line.rstrip().endswith("%]"):  # pytest -q progress
                 percent = line.rstrip().rsplit("[", 1)[-1].rstrip("]").strip()
-                print(f"selftest: world size {ws}: {percent} "
-                      f"({time.monotonic() - started:.0f} s)", flush=True)
+                print(
+                    f"selftest: world size {ws}: {percent} ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
         code = proc.wait()
     report = out_dir / "conformance.json"
     if code not in (0, 1) or not report.exists():
@@ -93,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     faults = select(args.faults, args.fast)
     if args.list:
         for f in faults:
-            print(f"{f.id:34} {f.impl:16} {f.behaviour:4} ws {','.join(map(str, f.world_sizes)):5}"
-                  f" {f.description}")
+            print(
+                f"{f.id:34} {f.impl:16} {f.behaviour:4} ws {','.join(map(str, f.world_sizes)):5}"
+                f" {f.description}"
+            )
         return 0
     only = {int(w) for w in args.world_sizes.split(",") if w.strip()} or None
     started = time.time()
@@ -104,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _patching.resolve(f.target)  # a missing target is a broken fault, found before running
         except _patching.BrokenFault as exc:
-            verdicts[f.id] = score.Verdict(f.id, f.impl, f.behaviour, f.area, f.description,
-                                           sizes, score.BROKEN, detail=str(exc))
+            verdicts[f.id] = score.Verdict(
+                f.id,
+                f.impl,
+                f.behaviour,
+                f.area,
+                f.description,
+                sizes,
+                score.BROKEN,
+                detail=str(exc),
+            )
             continue
         plans[f.id] = sizes
     by_ws: dict[int, list] = {}
@@ -143,8 +191,12 @@ def write_reports(directory: Path, verdicts, stats, control_fails, problems, wal
     data = {
         "summary": stats,
         "wall_s": round(wall, 1),
-        "selection": {"faults": args.faults, "fast": args.fast, "world_sizes": args.world_sizes,
-                      "checks": args.checks},
+        "selection": {
+            "faults": args.faults,
+            "fast": args.fast,
+            "world_sizes": args.world_sizes,
+            "checks": args.checks,
+        },
         "faults": [v.as_dict() for v in verdicts],
         "control_failures": control_fails,
         "problems": problems,

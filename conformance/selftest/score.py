@@ -40,8 +40,9 @@ def index(records: list[dict]) -> dict[tuple[str, str], dict]:
 
 def judge(fault, records: list[dict], world_sizes: list[int]) -> Verdict:
     """The verdict for one fault from the records of the runs it was in (``world_sizes``)."""
-    verdict = Verdict(fault.id, fault.impl, fault.behaviour, fault.area, fault.description,
-                      list(world_sizes))
+    verdict = Verdict(
+        fault.id, fault.impl, fault.behaviour, fault.area, fault.description, list(world_sizes)
+    )
     if not world_sizes:
         verdict.detail = f"needs world size {'/'.join(map(str, fault.world_sizes))}"
         return verdict
@@ -76,8 +77,11 @@ def _broken_reason(message: str) -> str:
 
 def control_failures(records: list[dict], controls: set[str]) -> list[str]:
     """``impl case-id`` of every failed case of an unpatched implementation."""
-    return sorted(f"{r['impl']} {r['id']}" for r in records
-                  if r["impl"] in controls and r["outcome"] == "fail")
+    return sorted(
+        f"{r['impl']} {r['id']}"
+        for r in records
+        if r["impl"] in controls and r["outcome"] == "fail"
+    )
 
 
 def summary(verdicts: list[Verdict]) -> dict:
@@ -109,9 +113,11 @@ def table_lines(verdicts: list[Verdict], limit: int = 3) -> list[str]:
     rows = [("fault", "breaks", "rule", "ws", "result")]
     for v in verdicts:
         result = {CAUGHT: f"caught by {len(v.caught_by)}: {_cases(v.caught_by, limit)}"}.get(
-            v.status, v.status + (f" ({v.detail})" if v.detail else ""))
-        rows.append((v.fault_id, v.impl, v.behaviour, ",".join(map(str, v.world_sizes)) or "-",
-                     result))
+            v.status, v.status + (f" ({v.detail})" if v.detail else "")
+        )
+        rows.append(
+            (v.fault_id, v.impl, v.behaviour, ",".join(map(str, v.world_sizes)) or "-", result)
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
 
@@ -119,23 +125,40 @@ def table_lines(verdicts: list[Verdict], limit: int = 3) -> list[str]:
 def score_line(stats: dict, wall: float | None = None) -> str:
     if not stats["faults"]:
         return "selftest: no fault ran"
-    text = (f"mutation score {stats['caught']}/{stats['faults']} = {stats['score']:.0%} "
-            f"({stats['missed']} missed, {stats['broken']} broken"
-            + (f", {stats['not_run']} not run" if stats["not_run"] else "") + ")")
+    text = (
+        f"mutation score {stats['caught']}/{stats['faults']} = {stats['score']:.0%} "
+        f"({stats['missed']} missed, {stats['broken']} broken"
+        + (f", {stats['not_run']} not run" if stats["not_run"] else "")
+        + ")"
+    )
     return text + (f" in {wall:.0f} s" if wall is not None else "")
 
 
-def markdown(verdicts: list[Verdict], stats: dict, control_fails: list[str],
-             wall: float | None = None) -> str:
-    lines = ["# Conformance self-test: seeded faults", "", f"**{score_line(stats, wall)}**", "",
-             "| fault | breaks | rule | area | world sizes | result | description |",
-             "|---|---|---|---|---|---|---|"]
+def markdown(
+    verdicts: list[Verdict], stats: dict, control_fails: list[str], wall: float | None = None
+) -> str:
+    lines = [
+        "# Conformance self-test: seeded faults",
+        "",
+        f"**{score_line(stats, wall)}**",
+        "",
+        "| fault | breaks | rule | area | world sizes | result | description |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v in verdicts:
-        result = (f"caught by {len(v.caught_by)}: " + ", ".join(f"`{c}`" for c in v.caught_by[:5])
-                  + (" …" if len(v.caught_by) > 5 else "")) if v.status == CAUGHT else (
-            f"**{v.status}**" + (f" ({v.detail})" if v.detail else ""))
-        lines.append(f"| `{v.fault_id}` | {v.impl} | {v.behaviour} | {v.area} | "
-                     f"{','.join(map(str, v.world_sizes)) or '-'} | {result} | {v.description} |")
+        result = (
+            (
+                f"caught by {len(v.caught_by)}: "
+                + ", ".join(f"`{c}`" for c in v.caught_by[:5])
+                + (" …" if len(v.caught_by) > 5 else "")
+            )
+            if v.status == CAUGHT
+            else (f"**{v.status}**" + (f" ({v.detail})" if v.detail else ""))
+        )
+        lines.append(
+            f"| `{v.fault_id}` | {v.impl} | {v.behaviour} | {v.area} | "
+            f"{','.join(map(str, v.world_sizes)) or '-'} | {result} | {v.description} |"
+        )
     lines += ["", "## Control (unpatched implementations)", ""]
     lines += [f"* FAILED `{c}`" for c in control_fails] or ["clean: no failures"]
     return "\n".join(lines) + "\n"

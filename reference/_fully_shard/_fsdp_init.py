@@ -172,7 +172,6 @@ def _resolve_shard_placement(param: nn.Parameter, placement_fn, mesh_info: FSDPM
     ws = mesh_info.shard_mesh_size
     if dim > 0 and data.size(dim) % ws != 0:
         raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: "
-            f"{data.size()} (world size: {ws})"
+            f"FSDP does not support uneven sharding on dim {dim}: {data.size()} (world size: {ws})"
         )
     return Shard(dim)

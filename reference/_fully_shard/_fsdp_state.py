@@ -55,8 +55,13 @@ class FSDPState:
     ``_fsdp_param_group`` is ``None`` when the modules manage no parameters (the state still
     takes part in root selection, input casting and lazy init)."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], device: torch.device,
-                 mp_policy: MixedPrecisionPolicy, auto_reshard_after_forward: bool) -> None:
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        auto_reshard_after_forward: bool,
+    ) -> None:
         self._modules, self._device, self._mp_policy = modules, device, mp_policy
         self._auto_reshard_after_forward = auto_reshard_after_forward  # reshard_after_forward=None
         self._fsdp_param_group: FSDPParamGroup | None = None
@@ -220,4 +225,3 @@ class FSDPState:
                 group._training_state = TrainingState.IDLE
             state._training_state = TrainingState.IDLE
         ctx.post_backward_final_callback_queued = False
-

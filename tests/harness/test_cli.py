@@ -62,14 +62,24 @@ def test_entry_point_plugin_of_an_installed_distribution(tmp_path):
     it (in the driver and in the spawned ranks) and its checks run under that name."""
     dist_info = tmp_path / "site" / "fsdp_fake_vendor-1.0.dist-info"
     dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: fsdp-fake-vendor\nVersion: 1.0\n")
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fsdp-fake-vendor\nVersion: 1.0\n"
+    )
     (dist_info / "entry_points.txt").write_text(
         "[fsdp_conformance.implementations]\nfake-vendor = tests.harness.fake_impl:FakeImpl\n"
     )
     path = os.pathsep.join([str(tmp_path / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     proc = run_conformance(
-        "--impl", "fake-vendor", "--check-dir", SELFCHECKS, "--world-sizes", "2",
-        "--reports-dir", str(tmp_path / "r"), "-k", "selftest and passes",
+        "--impl",
+        "fake-vendor",
+        "--check-dir",
+        SELFCHECKS,
+        "--world-sizes",
+        "2",
+        "--reports-dir",
+        str(tmp_path / "r"),
+        "-k",
+        "selftest and passes",
         env={"PYTHONPATH": path},
     )
     out = proc.stdout + proc.stderr

@@ -16,37 +16,58 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def case(case_id: str, outcome: str, impl: str = "reference", message: str = "") -> dict:
     area, rest = case_id.split("::")
-    return {"id": case_id, "area": area, "check": rest.split("[")[0], "impl": impl,
-            "world_size": int(rest.split("[ws")[1][0]), "outcome": outcome, "message": message}
+    return {
+        "id": case_id,
+        "area": area,
+        "check": rest.split("[")[0],
+        "impl": impl,
+        "world_size": int(rest.split("[ws")[1][0]),
+        "outcome": outcome,
+        "message": message,
+    }
 
 
 def report(cases, torch="2.13.0", versions=None) -> dict:
     versions = versions or {"reference": "project reference, on torch " + torch}
-    return {"tool": "fsdp-conformance", "created": "2026-01-01T00:00:00Z", "torch": torch,
-            "python": "3.11.7",
-            "implementations": [{"spec": n, "name": n, "version": v, "capabilities": []}
-                                for n, v in versions.items()],
-            "cases": cases}
+    return {
+        "tool": "fsdp-conformance",
+        "created": "2026-01-01T00:00:00Z",
+        "torch": torch,
+        "python": "3.11.7",
+        "implementations": [
+            {"spec": n, "name": n, "version": v, "capabilities": []} for n, v in versions.items()
+        ],
+        "cases": cases,
+    }
 
 
-OLD = report([
-    case("layout::a[ws2]", "pass"),
-    case("layout::b[ws2]", "fail"),
-    case("layout::c[ws2]", "pass"),
-    case("layout::d[ws2]", "pass"),
-    case("layout::e[ws2]", "xfail"),
-    case("layout::gone[ws2]", "pass"),
-    case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
-])
-NEW = report([
-    case("layout::a[ws2]", "fail", message="Traceback\nAssertionError: [rank 1/2] rows 3:5 != 2:4"),
-    case("layout::b[ws2]", "pass"),
-    case("layout::c[ws2]", "xfail"),
-    case("layout::d[ws2]", "not-supported"),
-    case("layout::e[ws2]", "pass"),
-    case("layout::new[ws2]", "fail"),
-    case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
-], torch="2.14.0")
+OLD = report(
+    [
+        case("layout::a[ws2]", "pass"),
+        case("layout::b[ws2]", "fail"),
+        case("layout::c[ws2]", "pass"),
+        case("layout::d[ws2]", "pass"),
+        case("layout::e[ws2]", "xfail"),
+        case("layout::gone[ws2]", "pass"),
+        case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
+    ]
+)
+NEW = report(
+    [
+        case(
+            "layout::a[ws2]",
+            "fail",
+            message="Traceback\nAssertionError: [rank 1/2] rows 3:5 != 2:4",
+        ),
+        case("layout::b[ws2]", "pass"),
+        case("layout::c[ws2]", "xfail"),
+        case("layout::d[ws2]", "not-supported"),
+        case("layout::e[ws2]", "pass"),
+        case("layout::new[ws2]", "fail"),
+        case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
+    ],
+    torch="2.14.0",
+)
 
 
 def ids(changes):
@@ -55,19 +76,26 @@ def ids(changes):
 
 def test_compare_sorts_every_kind_of_change():
     d = diff.compare(OLD, NEW)
-    assert ids(d.new_failures) == [("reference", "layout::a[ws2]", "pass", "fail"),
-                                   ("reference", "layout::new[ws2]", None, "fail")]
+    assert ids(d.new_failures) == [
+        ("reference", "layout::a[ws2]", "pass", "fail"),
+        ("reference", "layout::new[ws2]", None, "fail"),
+    ]
     assert d.new_failures[0].message == "AssertionError: [rank 1/2] rows 3:5 != 2:4"
-    assert ids(d.fixed) == [("reference", "layout::b[ws2]", "fail", "pass"),
-                            ("reference", "layout::e[ws2]", "xfail", "pass")]
+    assert ids(d.fixed) == [
+        ("reference", "layout::b[ws2]", "fail", "pass"),
+        ("reference", "layout::e[ws2]", "xfail", "pass"),
+    ]
     assert ids(d.new_xfails) == [("reference", "layout::c[ws2]", "pass", "xfail")]
     assert ids(d.changed) == [("reference", "layout::d[ws2]", "pass", "not-supported")]
     assert ids(d.vanished) == [("reference", "layout::gone[ws2]", "pass", None)]
     assert d.appeared == []  # a new case that fails is listed once, as a new failure
     assert d.unchanged == 1  # torch-fsdp2's layout::a: the same case id on another implementation
     assert ("torch", "2.13.0", "2.14.0") in d.versions
-    assert ("implementation reference", "project reference, on torch 2.13.0",
-            "project reference, on torch 2.14.0") in d.versions
+    assert (
+        "implementation reference",
+        "project reference, on torch 2.13.0",
+        "project reference, on torch 2.14.0",
+    ) in d.versions
 
 
 def test_appeared_case_that_passes():
@@ -79,8 +107,20 @@ def _run(tmp_path, old, new, *args):
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(new))
     return subprocess.run(
-        [sys.executable, "-m", "conformance", "diff", str(tmp_path / "old.json"),
-         str(tmp_path / "new.json"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "diff",
+            str(tmp_path / "old.json"),
+            str(tmp_path / "new.json"),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_text_and_exit_status_one_on_new_failures(tmp_path):
@@ -88,7 +128,9 @@ def test_cli_text_and_exit_status_one_on_new_failures(tmp_path):
     assert proc.returncode == 1, proc.stderr
     out = proc.stdout
     assert "New failures (2):" in out and "layout::a[ws2] on reference: pass -> fail" in out
-    assert "Fixed (2):" in out and "Vanished (1):" in out and "version torch: 2.13.0 -> 2.14.0" in out
+    assert (
+        "Fixed (2):" in out and "Vanished (1):" in out and "version torch: 2.13.0 -> 2.14.0" in out
+    )
 
 
 def test_cli_markdown_to_file_and_exit_zero_without_new_failures(tmp_path):
@@ -105,7 +147,18 @@ def test_cli_markdown_to_file_and_exit_zero_without_new_failures(tmp_path):
 def test_cli_unreadable_report_exits_two_and_says_what_to_pass(tmp_path, content):
     (tmp_path / "bad.json").write_text(content)
     proc = subprocess.run(
-        [sys.executable, "-m", "conformance", "diff", str(tmp_path / "bad.json"),
-         str(tmp_path / "bad.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "diff",
+            str(tmp_path / "bad.json"),
+            str(tmp_path / "bad.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "bad.json" in proc.stderr and "report" in proc.stderr

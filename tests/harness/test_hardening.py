@@ -34,7 +34,10 @@ FAKE = "tests.harness.fake_impl:FakeImpl"
         (["--threads-per-rank", "0"], "--threads-per-rank: '0' is not a whole number >= 1"),
         (["--device", "nosuchdevice"], "--device: 'nosuchdevice' is not a device type"),
         (["--backend", "nosuch"], "--backend: unknown backend 'nosuch'"),
-        (["--expectations-dir", "/no/such/dir"], "--expectations-dir: '/no/such/dir' does not exist"),
+        (
+            ["--expectations-dir", "/no/such/dir"],
+            "--expectations-dir: '/no/such/dir' does not exist",
+        ),
         (["--check-dir", "/no/such/dir"], "--check-dir: '/no/such/dir' does not exist"),
         (["--impl", ""], "--impl: no implementation given"),
         (["--impl", " , "], "--impl: no implementation given"),
@@ -90,7 +93,9 @@ def test_a_rank_leaving_a_collective_pending_does_not_poison_the_next_check(tmp_
         *FAKE_ON_SELFCHECKS, "--world-sizes", "2", "--check-timeout", "20", "-k",
         "leaves_all_reduce_pending or independent_after_pending", "--reports-dir", str(tmp_path),
     )  # fmt: skip
-    cases = {c["check"]: c for c in json.loads((tmp_path / "conformance.json").read_text())["cases"]}
+    cases = {
+        c["check"]: c for c in json.loads((tmp_path / "conformance.json").read_text())["cases"]
+    }
     assert cases["leaves_all_reduce_pending"]["outcome"] == "fail", proc.stdout
     after = cases["independent_after_pending"]
     assert after["outcome"] == "pass", after["message"]
@@ -124,7 +129,9 @@ def test_a_hung_save_job_is_bounded_by_check_timeout_and_reports_its_stack(tmp_p
 
 # ------------------------------------------------------------------------------ reports
 def test_collect_only_writes_no_reports(tmp_path):
-    proc = run_conformance(*FAKE_ON_SELFCHECKS, "--collect-only", "--reports-dir", str(tmp_path / "r"))
+    proc = run_conformance(
+        *FAKE_ON_SELFCHECKS, "--collect-only", "--reports-dir", str(tmp_path / "r")
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "r").exists()
 
@@ -173,7 +180,9 @@ def _processes_with_marker(marker: str) -> dict[int, str]:
             if marker.encode() in (entry / "environ").read_bytes():
                 stat = (entry / "stat").read_text()
                 if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
+                    found[int(entry.name)] = (
+                        (entry / "cmdline").read_bytes().decode(errors="replace")
+                    )
         except OSError:
             continue
     return found
@@ -215,6 +224,7 @@ def test_sigkill_of_the_driver_takes_the_workers_and_the_save_job_with_it(tmp_pa
         tmp_path, "--impl", "tests.harness.fake_impl:HangingSave", "--world-sizes", "1",
         "-k", "reshard_dcp and from-ws1",
     )  # fmt: skip
+
     def save_job_running():  # the save-job server and at least one job rank (forked from it)
         cmdlines = _processes_with_marker(marker).values()
         return sum("state_dict_reshard" in c for c in cmdlines) >= 2
@@ -227,7 +237,9 @@ def test_sigkill_of_the_driver_takes_the_workers_and_the_save_job_with_it(tmp_pa
 
 
 def test_sigkill_of_the_driver_during_group_start_up_leaves_no_worker(tmp_path):
-    proc, marker = _start(tmp_path, *FAKE_ON_SELFCHECKS, "--world-sizes", "2", "-k", "selftest and passes")
+    proc, marker = _start(
+        tmp_path, *FAKE_ON_SELFCHECKS, "--world-sizes", "2", "-k", "selftest and passes"
+    )
     assert _wait_for(lambda: len(_processes_with_marker(marker)) >= 2, 120)
     proc.kill()  # the forkserver is still importing torch, or the workers are joining the group
     proc.communicate(timeout=30)

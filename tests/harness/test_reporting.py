@@ -15,7 +15,11 @@ def test_rows_that_are_not_supported_everywhere_are_folded_under_the_table():
         _rec("states", "b", 2, "not-supported"), _rec("states", "c", 1, "not-supported"),
     ]  # fmt: skip
     lines = matrix_lines(records)
-    rows = [line.split()[:2] for line in lines[2:] if not line.startswith(("not supported", "legend", "total"))]
+    rows = [
+        line.split()[:2]
+        for line in lines[2:]
+        if not line.startswith(("not supported", "legend", "total"))
+    ]
     assert rows == [["layout", "a"], ["wrap", "b"]]  # a row with any other outcome stays
     assert "not supported at any world size (rows folded): layout: b; states: b, c" in lines
     assert lines[-1] == "total: 1 pass, 1 fail, 1 xfail, 5 not-supported"

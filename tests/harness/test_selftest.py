@@ -19,15 +19,28 @@ from conformance.selftest import FAULTS, _patching, score
 from conformance.selftest.faults import BUILTIN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
-AREAS = {"layout", "states", "placement", "extensions", "training", "mixed_precision",
-         "fsdp2_state_dict", "state_dict", "wrap", "bad_input", "tensor_parallel",
-         "param_subclass"}
+AREAS = {
+    "layout",
+    "states",
+    "placement",
+    "extensions",
+    "training",
+    "mixed_precision",
+    "fsdp2_state_dict",
+    "state_dict",
+    "wrap",
+    "bad_input",
+    "tensor_parallel",
+    "param_subclass",
+}
 # Checks that cover the fast subset's areas (one pytest -k expression).
 # (Single words would also match fault names such as fault-r1-keys-keep-prefix.)
-FAST_CHECKS = ("per_param_dim0_padded_storage or flat_param_shard or registered_after_forward "
-               "or invalid_placement_errors or all_gather_through_hooks or "
-               "train_parity_cpu_offload or non_float_parameter or load_dtensors or "
-               "incompatible_keys or fsdp1_auto_wrap_units")
+FAST_CHECKS = (
+    "per_param_dim0_padded_storage or flat_param_shard or registered_after_forward "
+    "or invalid_placement_errors or all_gather_through_hooks or "
+    "train_parity_cpu_offload or non_float_parameter or load_dtensors or "
+    "incompatible_keys or fsdp1_auto_wrap_units"
+)
 
 
 # ------------------------------------------------------------------------------ the library
@@ -97,18 +110,24 @@ MINE = FAULT.adapter_name
 
 
 def test_caught_when_a_case_passing_on_the_control_fails_on_the_fault():
-    records = [_record("reference", "training::a[ws2]", "pass"),
-               _record(MINE, "training::a[ws2]", "fail"),
-               _record("reference", "training::b[ws2]", "pass"),
-               _record(MINE, "training::b[ws2]", "pass")]
+    records = [
+        _record("reference", "training::a[ws2]", "pass"),
+        _record(MINE, "training::a[ws2]", "fail"),
+        _record("reference", "training::b[ws2]", "pass"),
+        _record(MINE, "training::b[ws2]", "pass"),
+    ]
     verdict = score.judge(FAULT, records, [2])
     assert verdict.status == score.CAUGHT
     assert verdict.caught_by == ["training::a[ws2]"]
 
 
 def test_expected_failures_count_only_when_they_fail_differently():
-    records = [_record("reference", "x::a[ws2]", "xfail"), _record(MINE, "x::a[ws2]", "xfail"),
-               _record("reference", "x::b[ws2]", "fail"), _record(MINE, "x::b[ws2]", "fail")]
+    records = [
+        _record("reference", "x::a[ws2]", "xfail"),
+        _record(MINE, "x::a[ws2]", "xfail"),
+        _record("reference", "x::b[ws2]", "fail"),
+        _record(MINE, "x::b[ws2]", "fail"),
+    ]
     assert score.judge(FAULT, records, [2]).status == score.MISSED
     records.append(_record(MINE, "x::c[ws2]", "fail"))
     records.append(_record("reference", "x::c[ws2]", "xfail"))
@@ -116,9 +135,15 @@ def test_expected_failures_count_only_when_they_fail_differently():
 
 
 def test_broken_fault_is_never_caught():
-    records = [_record("reference", "x::a[ws2]", "pass"),
-               _record(MINE, "x::a[ws2]", "fail",
-                       "rank 0: error\n  conformance.selftest._patching.BrokenFault: gone")]
+    records = [
+        _record("reference", "x::a[ws2]", "pass"),
+        _record(
+            MINE,
+            "x::a[ws2]",
+            "fail",
+            "rank 0: error\n  conformance.selftest._patching.BrokenFault: gone",
+        ),
+    ]
     verdict = score.judge(FAULT, records, [2])
     assert verdict.status == score.BROKEN and "gone" in verdict.detail
 
@@ -129,23 +154,35 @@ def test_not_run_summary_and_exit_code():
     caught = score.Verdict("a", "reference", "P6", "training", "d", [2], score.CAUGHT, ["x"])
     missed = score.Verdict("b", "reference", "P6", "training", "d", [2], score.MISSED)
     stats = score.summary([caught, missed, not_run])
-    assert stats == {"faults": 2, "caught": 1, "missed": 1, "broken": 0, "not_run": 1,
-                     "score": 0.5}
+    assert stats == {"faults": 2, "caught": 1, "missed": 1, "broken": 0, "not_run": 1, "score": 0.5}
     assert score.exit_code([caught, not_run], []) == 0
     assert score.exit_code([caught, missed], []) == 1
     assert score.exit_code([caught], ["reference x::a[ws2]"]) == 1
     assert "1/2 = 50%" in score.score_line(stats)
-    assert score.control_failures([_record("reference", "x::a[ws2]", "fail"),
-                                   _record(MINE, "x::b[ws2]", "fail")],
-                                  {"reference"}) == ["reference x::a[ws2]"]
+    assert score.control_failures(
+        [_record("reference", "x::a[ws2]", "fail"), _record(MINE, "x::b[ws2]", "fail")],
+        {"reference"},
+    ) == ["reference x::a[ws2]"]
 
 
 def test_table_and_markdown_name_every_fault_and_result():
-    caught = score.Verdict("a", "reference", "P6", "training", "desc a", [2], score.CAUGHT,
-                           [f"t::c{i}[ws2]" for i in range(5)])
+    caught = score.Verdict(
+        "a",
+        "reference",
+        "P6",
+        "training",
+        "desc a",
+        [2],
+        score.CAUGHT,
+        [f"t::c{i}[ws2]" for i in range(5)],
+    )
     missed = score.Verdict("b", "torch-fsdp1", "S3", "state_dict", "desc b", [3], score.MISSED)
     lines = score.table_lines([caught, missed])
-    assert lines[1].startswith("a ") and "caught by 5: t::c0[ws2]" in lines[1] and "+2 more" in lines[1]
+    assert (
+        lines[1].startswith("a ")
+        and "caught by 5: t::c0[ws2]" in lines[1]
+        and "+2 more" in lines[1]
+    )
     assert lines[2].split()[-1] == "MISSED"
     md = score.markdown([caught, missed], score.summary([caught, missed]), [])
     assert "| `b` | torch-fsdp1 | S3 |" in md and "**MISSED**" in md and "clean" in md
@@ -155,14 +192,30 @@ def test_table_and_markdown_name_every_fault_and_result():
 def test_fast_subset_every_fault_caught_and_control_clean(tmp_path):
     """One conformance run (world size 2) with the fast faults and their controls."""
     proc = subprocess.run(
-        [sys.executable, "-m", "conformance", "selftest", "--fast", "--checks", FAST_CHECKS,
-         "--reports-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "selftest",
+            "--fast",
+            "--checks",
+            FAST_CHECKS,
+            "--reports-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = tmp_path / "selftest.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
-    missed = [(f["fault_id"], f["status"], f["detail"]) for f in data["faults"]
-              if f["status"] != score.CAUGHT]
+    missed = [
+        (f["fault_id"], f["status"], f["detail"])
+        for f in data["faults"]
+        if f["status"] != score.CAUGHT
+    ]
     assert not missed, proc.stdout[-4000:]
     assert data["control_failures"] == [], data["control_failures"]
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -11,7 +11,13 @@ def test_spec_and_checks_agree():
 
 def test_citations_are_read_from_docstrings():
     assert spec.cited_ids("A rule (X1, P12); S2-S4: more; W16 (seed era)") == {
-        "X1", "P12", "S2", "S3", "S4", "W16"}
+        "X1",
+        "P12",
+        "S2",
+        "S3",
+        "S4",
+        "W16",
+    }
     assert spec.cited_ids("no ids in ws4 or w1 or SP3") == set()
 
 
@@ -28,6 +34,8 @@ def test_each_kind_of_disagreement_is_reported():
     assert any(f.startswith("P2 is checked by states::c but SPEC.md still says") for f in found)
     assert any("stale" in f for f in found), found
     text = text.replace("- **P3** nobody checks it\n", "")
-    fresh = text.replace(f"{spec.BEGIN}\nold table\n{spec.END}",
-                         spec.render(spec.definitions(text), {"P1": ["layout::a"]}))
+    fresh = text.replace(
+        f"{spec.BEGIN}\nold table\n{spec.END}",
+        spec.render(spec.definitions(text), {"P1": ["layout::a"]}),
+    )
     assert spec.problems(fresh, {"P1": ["layout::a"]}) == []

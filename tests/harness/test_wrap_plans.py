@@ -35,8 +35,11 @@ def test_plan_entries_accepts_none_pairs_and_plan_objects():
 def test_expected_groups_deepest_unit_and_ignored():
     model = zoo.nested_sequential()
     groups, ignored = wrap.expected_groups(model, ("2.1", "2", ""), set(model[1].parameters()))
-    assert groups == {"2.1": {"2.1.weight", "2.1.bias"}, "2": {"2.0.weight", "2.0.bias"},
-                      "": {"0.weight", "0.bias"}}
+    assert groups == {
+        "2.1": {"2.1.weight", "2.1.bias"},
+        "2": {"2.0.weight", "2.0.bias"},
+        "": {"0.weight", "0.bias"},
+    }
     assert ignored == {"1.weight", "1.bias"}
     # a prefix that is not a module boundary ("2" vs "21") does not capture
     seq = nn.Sequential(*[nn.Linear(1, 1, bias=False) for _ in range(22)])
@@ -65,8 +68,13 @@ def test_expected_kwargs_rule():
     root = {"mixed_precision": "MP", "use_orig_params": False}
     assert wrap.expected_kwargs(case, "", root, None) == root
     assert wrap.expected_kwargs(case, "bn", root, None) == {
-        "mixed_precision": None, "use_orig_params": False, "auto_wrap_policy": None,
-        "sharding_strategy": "NO_SHARD"}
+        "mixed_precision": None,
+        "use_orig_params": False,
+        "auto_wrap_policy": None,
+        "sharding_strategy": "NO_SHARD",
+    }
     callable_case = wrap.ZOO["norm-mp-never"]
     assert wrap.expected_kwargs(callable_case, "bn", root, None) == {
-        "mixed_precision": None, "use_orig_params": False}
+        "mixed_precision": None,
+        "use_orig_params": False,
+    }

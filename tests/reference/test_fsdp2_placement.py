@@ -23,7 +23,9 @@ class _MeshInfo:  # the one field placement validation reads
 def test_shard_dim_is_normalized_or_rejected(ndim, dim):
     param = torch.nn.Parameter(torch.zeros((2,) * ndim))
     if -ndim <= dim < ndim:
-        assert _resolve_shard_placement(param, lambda p: Shard(dim), _MeshInfo()) == Shard(dim % ndim)
+        assert _resolve_shard_placement(param, lambda p: Shard(dim), _MeshInfo()) == Shard(
+            dim % ndim
+        )
     else:
         with pytest.raises(AssertionError, match=rf"Shard dim -?\d+ is invalid for {ndim}D tensor"):
             _resolve_shard_placement(param, lambda p: Shard(dim), _MeshInfo())
