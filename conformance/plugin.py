@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
 import signal
 import sys
 import threading
@@ -222,11 +221,9 @@ class ConformanceSession:
     def stale_entries(self) -> list[expectations.Entry]:
         """Entries that match no case of any registered check at any world size 1-8."""
         for directory in self.check_dirs():
-            for info in pkgutil.iter_modules([str(directory)]):
-                if not info.name.startswith("_"):
-                    importlib.import_module(
-                        _module_name(self.config, directory / f"{info.name}.py")
-                    )
+            for path in sorted(directory.rglob("*.py")):
+                if is_check_file(path, directory):
+                    importlib.import_module(_module_name(self.config, path))
         universe = [
             case_id(s.area, s.name, ws, c) for s in CHECKS for ws in range(1, 9) for c in s.cases
         ]
@@ -238,11 +235,24 @@ class ConformanceSession:
         return stale
 
 
+def is_check_file(path: Path, directory: Path) -> bool:
+    """A check module is a ``.py`` file at any depth below a check directory, none of whose path
+    parts below it starts with ``_`` (``_shared/``, ``_models.py`` and ``__init__.py`` hold
+    helpers, never checks)."""
+    try:
+        parts = path.resolve().relative_to(directory.resolve()).parts
+    except ValueError:
+        return False
+    return path.suffix == ".py" and not any(part.startswith("_") for part in parts)
+
+
 def _module_name(config, path: Path) -> str:
     """Import name of a check file: its path relative to the rootdir, dotted."""
-    if path.parent == CHECKS_DIR:
-        return f"conformance.checks.{path.stem}"
-    return ".".join(path.resolve().relative_to(config.rootpath).with_suffix("").parts)
+    try:
+        parts = path.resolve().relative_to(CHECKS_DIR.resolve()).with_suffix("").parts
+        return ".".join(("conformance", "checks", *parts))
+    except ValueError:
+        return ".".join(path.resolve().relative_to(config.rootpath).with_suffix("").parts)
 
 
 _SESSION_KEY = pytest.StashKey[ConformanceSession]()
@@ -337,9 +347,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_collect_file(file_path: Path, parent):
-    if file_path.suffix != ".py" or file_path.name.startswith("_"):
-        return None
-    if file_path.parent.resolve() in _session(parent.config).check_dirs():
+    if any(is_check_file(file_path, d) for d in _session(parent.config).check_dirs()):
         return CheckFile.from_parent(parent, path=file_path)
     return None
 
