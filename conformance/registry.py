@@ -1,6 +1,6 @@
 """Declaring checks.
 
-A check is a module-level function in ``conformance/checks/<area>.py`` decorated with :func:`check`.
+A check is a module-level function in ``conformance/checks/<part>/<concern>.py`` decorated with :func:`check`.
 Its body runs on every rank as ``fn(ctx, **case_kwargs)`` and passes by returning; it fails by raising
 (usually ``AssertionError`` with a message that says what was expected on which rank). Its docstring
 states the rule it checks. A check whose assertion cannot fail where it runs (e.g. "offloaded shards

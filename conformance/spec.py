@@ -52,9 +52,9 @@ def cited_ids(text: str) -> set[str]:
 
 def load_checks() -> None:
     """Import every built-in check module, so that the registry holds all checks."""
-    for info in pkgutil.iter_modules([str(CHECKS_DIR)]):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"conformance.checks.{info.name}")
+    for info in pkgutil.walk_packages([str(CHECKS_DIR)], "conformance.checks."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            importlib.import_module(info.name)
 
 
 def coverage() -> dict[str, list[str]]:

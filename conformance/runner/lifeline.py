@@ -12,7 +12,7 @@
 * A worker also runs a watchdog thread that waits for end-of-file on a pipe only the driver holds
   (``multiprocessing``'s parent sentinel) and then kills its own process group: the fallback where
   ``PR_SET_PDEATHSIG`` does not exist.
-* The checkpoint save jobs (conformance/checks/state_dict_reshard.py) are forked from a server
+* The checkpoint save jobs (conformance/checks/state_dict/reshard.py) are forked from a server
   process in the worker's process group that exits with the worker; each job rank asks for the
   death signal too.
 * Temporary directories carry the driver's pid in their name; a later run removes those whose

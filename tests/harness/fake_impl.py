@@ -30,7 +30,7 @@ def HangingSave():
     import time
 
     from conformance.adapters.registry import BUILTINS
-    from conformance.checks import state_dict_reshard
+    from conformance.checks.state_dict import reshard as state_dict_reshard
 
     impl = BUILTINS["reference"]()
     state_dict = impl.state_dict

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import ParamBag, distinct_values
-from conformance.checks._rows import chunk_of
+from conformance.checks._shared.models import ParamBag, distinct_values
+from conformance.checks._shared.rows import chunk_of
 from conformance.registry import check
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from conformance.checks._rows import chunk_size
+from conformance.checks._shared.rows import chunk_size
 
 LOG: list[dict] = []
 

@@ -23,7 +23,7 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import clean_fqn
-from conformance.checks._sd_models import (
+from conformance.checks._shared.sd_models import (
     AREA,
     Net,
     build,
@@ -34,7 +34,7 @@ from conformance.checks._sd_models import (
     require_kind,
     train,
 )
-from conformance.checks.training import FP32, assert_close
+from conformance.checks.fully_shard.training import FP32, assert_close
 from conformance.registry import Skip, check
 
 STEPS = 3

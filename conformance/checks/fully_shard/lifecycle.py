@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values, expect_error
-from conformance.checks._rows import chunk_of
+from conformance.checks._shared.models import distinct_values, expect_error
+from conformance.checks._shared.rows import chunk_of
 from conformance.registry import check
 
 TOL = dict(rtol=1e-5, atol=1e-6)

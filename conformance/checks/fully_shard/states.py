@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
-from conformance.checks._rows import chunk_range
+from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.rows import chunk_range
 from conformance.registry import check
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
+from conformance.checks._shared.models import distinct_values
 from conformance.registry import check
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -17,16 +17,16 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
-from conformance.checks._rows import chunk_size
-from conformance.checks._sd_models import (
+from conformance.checks._shared.rows import chunk_size
+from conformance.checks._shared.sd_models import (
     assert_entry,
     assert_loaded,
     broadcast_from_rank0,
     expected_state_dict,
     full_params,
 )
-from conformance.checks.layout import flat_range
-from conformance.checks.training import assert_close, local_chunk
+from conformance.checks.fully_shard.layout import flat_range
+from conformance.checks.fully_shard.training import assert_close, local_chunk
 from conformance.fuzz import Drop, fuzz_check
 from conformance.fuzz import model as fm
 from conformance.fuzz import strategies as fs

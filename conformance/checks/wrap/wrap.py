@@ -44,7 +44,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
-from conformance.checks import _wrap_models as zoo
+from conformance.checks.wrap import _models as zoo
 from conformance.registry import check
 
 FP16 = torch.float16

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks.fsdp1_training import assert_params_equal_oracle
-from conformance.checks.training import FP32, B, assert_close, make_optimizer
+from conformance.checks.fsdp1.training import assert_params_equal_oracle
+from conformance.checks.fully_shard.training import FP32, B, assert_close, make_optimizer
 from conformance.registry import check
 
 EMBED, HEADS, SEQ = 8, 2, 3

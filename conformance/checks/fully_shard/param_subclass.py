@@ -31,9 +31,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
-from conformance.checks._rows import chunk_of
-from conformance.checks.training import assert_close
+from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard.training import assert_close
 from conformance.registry import check
 
 aten = torch.ops.aten

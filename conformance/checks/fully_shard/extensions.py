@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks import _subclasses
-from conformance.checks._models import distinct_values, expect_error
-from conformance.checks._rows import chunk_of, chunk_range
-from conformance.checks._subclasses import Pair1, Pair5, Single5
+from conformance.checks._shared.models import distinct_values, expect_error
+from conformance.checks._shared.rows import chunk_of, chunk_range
+from conformance.checks.fully_shard import _subclasses
+from conformance.checks.fully_shard._subclasses import Pair1, Pair5, Single5
 from conformance.registry import check
 
 

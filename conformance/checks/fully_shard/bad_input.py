@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
+from conformance.checks._shared.models import distinct_values
 from conformance.registry import check
 
 

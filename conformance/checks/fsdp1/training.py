@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._sd_models import full_params
-from conformance.checks.layout import flat_range
-from conformance.checks.mixed_precision import CASES as MP_CASES
-from conformance.checks.mixed_precision import _batch, observe_reduce_scatter
-from conformance.checks.mixed_precision import build as build_mp
-from conformance.checks.training import (
+from conformance.checks._shared.sd_models import full_params
+from conformance.checks.fully_shard.layout import flat_range
+from conformance.checks.fully_shard.mixed_precision import CASES as MP_CASES
+from conformance.checks.fully_shard.mixed_precision import _batch, observe_reduce_scatter
+from conformance.checks.fully_shard.mixed_precision import build as build_mp
+from conformance.checks.fully_shard.training import (
     FP32,
     MODELS,
     PLANS,

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._models import distinct_values
-from conformance.checks._rows import chunk_range, chunk_size
+from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.rows import chunk_range, chunk_size
 from conformance.registry import check
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
-from conformance.checks.layout import dim0_rows
+from conformance.checks.fully_shard.layout import dim0_rows
 
 
 def small_values(shape, salt: int, index: int = 0, dtype=torch.float32) -> torch.Tensor:

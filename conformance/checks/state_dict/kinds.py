@@ -29,7 +29,7 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported, clean_fqn
-from conformance.checks._sd_models import (
+from conformance.checks._shared.sd_models import (
     AC_PLAN,
     AREA,
     KIND_CASES,
@@ -50,7 +50,7 @@ from conformance.checks._sd_models import (
     require_kind,
     train,
 )
-from conformance.checks.layout import flat_range
+from conformance.checks.fully_shard.layout import flat_range
 from conformance.registry import check
 
 

@@ -19,8 +19,8 @@ import math
 import torch
 
 from conformance.adapters import base
-from conformance.checks._models import ParamBag
-from conformance.checks._rows import chunk_range, chunk_size
+from conformance.checks._shared.models import ParamBag
+from conformance.checks._shared.rows import chunk_range, chunk_size
 from conformance.registry import check
 
 dim0_rows = chunk_range  # rows [start, end) of a dim0-long parameter that a rank holds

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from conformance.adapters import base
-from conformance.checks import bad_input as contract
-from conformance.checks import state_dict as sd_contract
+from conformance.checks.fully_shard import bad_input as contract
+from conformance.checks.state_dict import kinds as sd_contract
 from conformance.registry import check
 
 AREA = "strict"

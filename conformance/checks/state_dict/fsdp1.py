@@ -28,7 +28,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
-from conformance.checks._sd_models import (
+from conformance.checks._shared.sd_models import (
     AREA,
     NET_PLAN,
     Net,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
-from conformance.checks._sd_models import (
+from conformance.checks._shared.sd_models import (
     AREA,
     NET_PLAN,
     Net,
@@ -42,7 +42,7 @@ from conformance.checks._sd_models import (
     full_kind,
     plain_reference,
 )
-from conformance.checks.layout import flat_range
+from conformance.checks.fully_shard.layout import flat_range
 from conformance.registry import check
 
 _PREFIX = "fsdp-conformance-sd-"
@@ -80,7 +80,7 @@ def _cache_root() -> Path:
 # matrix). The server dies with the worker (it exits when the worker's end of its pipe closes) and
 # sits in the worker's process group, which the driver kills; each job rank also asks for a death
 # signal. See [Note: no orphans] in conformance.runner.lifeline.
-_JOB_PRELOAD = ["conformance.checks.state_dict_reshard", "torch._dynamo"]
+_JOB_PRELOAD = ["conformance.checks.state_dict.reshard", "torch._dynamo"]
 IN_SAVE_JOB = False  # True in a save job's rank (lets a self-test fault hit only the job)
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._rows import chunk_of as local_chunk  # noqa: F401 (re-exported)
+from conformance.checks._shared.rows import chunk_of as local_chunk  # noqa: F401 (re-exported)
 from conformance.registry import Skip, check
 
 B = 2  # samples per rank per step

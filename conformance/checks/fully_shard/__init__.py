@@ -1,0 +1,1 @@
+"""Part P of ``conformance/SPEC.md``: FSDP2's per-parameter sharding (``fully_shard``)."""
