@@ -96,7 +96,12 @@ def perf(session: nox.Session) -> None:
     )
 
 
+LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
+    """``ruff check`` and ``ruff format --check`` over the whole tree (CI runs this session too)."""
     session.install("ruff")
-    session.run("ruff", "check", "reference", "conformance", "perf", "tests", "tools", "noxfile.py")
+    session.run("ruff", "check", *LINTED)
+    session.run("ruff", "format", "--check", *LINTED)
