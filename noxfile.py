@@ -102,6 +102,6 @@ LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]
 @nox.session
 def lint(session: nox.Session) -> None:
     """``ruff check`` and ``ruff format --check`` over the whole tree (CI runs this session too)."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")  # pinned: another ruff may format differently
     session.run("ruff", "check", *LINTED)
     session.run("ruff", "format", "--check", *LINTED)
