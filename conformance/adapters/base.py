@@ -137,6 +137,18 @@ class Implementation:
     def load_state_dict(self, module: nn.Module, state_dict: dict, kind: str = "full", **config):
         raise NotSupported(f"load {kind} state dict")
 
+    # -- names -------------------------------------------------------------------------------
+    def clean_fqn(self, name: str) -> str:
+        """The clean FQN of a name this implementation's wrappers produce: a module's name, a
+        parameter's or buffer's name from ``named_modules`` / ``named_parameters`` /
+        ``named_buffers`` of the sharded model, or a state-dict key. Clean means the name the
+        same module, parameter or buffer has in the unwrapped model (``inner.weight``).
+
+        Checks never strip prefixes themselves: they call this hook, so a fork whose wrapper
+        inserts another attribute (``_my_wrapped.``) overrides it. The default drops torch's
+        ``_fsdp_wrapped_module`` and ``_checkpoint_wrapped_module`` path components."""
+        return strip_torch_wrappers(name)
+
     def patched(self):
         """A context manager the runner enters around every check of this implementation on
         every rank (default: nothing). The self-test's seeded faults patch their target here."""
@@ -187,11 +199,10 @@ def plan_entries(plan) -> list[tuple[str, dict]]:
     ]  # WrapPlanEntry objects or (fqn, kwargs)
 
 
-def clean_fqn(name: str) -> str:
-    """Drop wrapper prefixes (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``) from a name."""
-    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    for suffix in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)].rstrip(".")
-    return name
+TORCH_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def strip_torch_wrappers(name: str) -> str:
+    """``name`` without the path components torch's wrappers insert (:data:`TORCH_WRAPPERS`):
+    the default of :meth:`Implementation.clean_fqn`."""
+    return ".".join(part for part in name.split(".") if part not in TORCH_WRAPPERS)

@@ -19,7 +19,6 @@ from conformance.adapters.base import (
     NamespaceImplementation,
     NotSupported,
     ShardView,
-    clean_fqn,
     plan_entries,
 )
 
@@ -86,18 +85,18 @@ class FlatParamAdapter(NamespaceImplementation):
             if isinstance(sub, self.FSDP):
                 handle = getattr(sub, "_handle", None)
                 if handle is not None:
-                    out.append((clean_fqn(name), handle.flat_param))
+                    out.append((self.clean_fqn(name), handle.flat_param))
         return out
 
     def flat_shards(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
         return [
-            ([_join(prefix, f) for f in flat._fqns], flat.detach())
+            ([self._join(prefix, f) for f in flat._fqns], flat.detach())
             for prefix, flat in self._flat_params(module)
         ]
 
     def flat_grads(self, module: nn.Module) -> list[tuple[list[str], torch.Tensor | None]]:
         return [
-            ([_join(prefix, f) for f in flat._fqns], flat.grad)
+            ([self._join(prefix, f) for f in flat._fqns], flat.grad)
             for prefix, flat in self._flat_params(module)
         ]
 
@@ -105,7 +104,7 @@ class FlatParamAdapter(NamespaceImplementation):
         views = {}
         for prefix, flat in self._flat_params(module):
             for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
-                full = _join(prefix, fqn)
+                full = self._join(prefix, fqn)
                 if info.in_shard:
                     local = flat.detach()[
                         info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
@@ -139,7 +138,6 @@ class FlatParamAdapter(NamespaceImplementation):
         with self.FSDP.state_dict_type(module, getattr(self.ns.StateDictType, _KIND[kind]), cfg):
             return module.load_state_dict(state_dict, strict=strict)
 
-
-def _join(prefix: str, name: str) -> str:
-    """The clean FQN of a flattened parameter (no wrapper prefixes, e.g. from checkpoint_wrapper)."""
-    return clean_fqn(f"{prefix}.{name}" if prefix else name)
+    def _join(self, prefix: str, name: str) -> str:
+        """The clean FQN of a flattened parameter (no wrapper prefixes, e.g. from checkpoint_wrapper)."""
+        return self.clean_fqn(f"{prefix}.{name}" if prefix else name)

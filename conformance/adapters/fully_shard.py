@@ -98,8 +98,9 @@ class FullyShardAdapter(NamespaceImplementation):
             )
             fsdp_param = fsdp_params.get(id(param))
             padded = getattr(fsdp_param, "_sharded_param_data", None) if fsdp_param else None
-            views[fqn] = ShardView(
-                fqn, tuple(param.shape), param.to_local(), offsets[0] if offsets else 0, padded
+            name = self.clean_fqn(fqn)
+            views[name] = ShardView(
+                name, tuple(param.shape), param.to_local(), offsets[0] if offsets else 0, padded
             )
         return views
 

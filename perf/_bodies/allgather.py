@@ -17,7 +17,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from conformance.adapters.base import clean_fqn
 from perf._bodies.shapes import Bag, dim0_padded_numel, original, payload, shapes
 from perf._bodies.timing import Step, measure
 
@@ -163,7 +162,7 @@ def fsdp1(ctx, shape_set: str, size_mb: float, quick: bool = False, **timing) ->
     model = ctx.impl.shard(Bag(shape_list, ctx.device), ctx)
     FSDP = ctx.impl.ns.FullyShardedDataParallel
     with FSDP.summon_full_params(model, writeback=False):
-        got = {clean_fqn(n): p.detach() for n, p in model.named_parameters()}
+        got = {ctx.impl.clean_fqn(n): p.detach() for n, p in model.named_parameters()}
         for i, t in enumerate(origs):
             g = got.get(f"p{i}")
             assert g is not None and torch.equal(g.reshape(t.shape), t), (

@@ -27,7 +27,6 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from conformance.adapters.base import clean_fqn
 from perf._bodies.allgather import flat_padded_numel, gather_floor, originals, padded_chunk
 from perf._bodies.shapes import Bag, dim0_padded_numel, payload
 from perf._bodies.timing import Step, measure
@@ -55,7 +54,7 @@ def check_state_dict(ctx, sd: dict, origs, what: str, *, expect_empty: bool = Fa
         assert not sd, f"{where}: expected an empty dict on rank {ctx.rank}, got {sorted(sd)[:4]}"
         return
     ws = ctx.world_size
-    keys = sorted(clean_fqn(k) for k in sd)
+    keys = sorted(ctx.impl.clean_fqn(k) for k in sd)
     if keys == ["_flat_param"]:  # LOCAL: this rank's unpadded piece of the flat parameter
         (value,) = sd.values()
         flat = torch.cat([t.reshape(-1) for t in origs])
@@ -71,7 +70,7 @@ def check_state_dict(ctx, sd: dict, origs, what: str, *, expect_empty: bool = Fa
         f"{where}: keys {keys[:5]}... != unwrapped model's {expected_keys[:5]}..."
     )
     for key in sorted(sd):
-        t = origs[int(clean_fqn(key)[1:])]
+        t = origs[int(ctx.impl.clean_fqn(key)[1:])]
         value = sd[key]
         if isinstance(value, DTensor):
             value = value.full_tensor()

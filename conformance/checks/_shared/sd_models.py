@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.adapters.base import NotSupported
 from conformance.checks.fully_shard.layout import dim0_rows
 
 
@@ -154,7 +154,7 @@ def full_params(ctx, module: nn.Module, impl=None) -> dict[str, torch.Tensor]:
     impl = impl or ctx.impl
     flat = base.FLAT_PARAM in impl.capabilities
     mine = {
-        base.clean_fqn(fqn): (v.global_shape, v.local.detach().cpu().clone(), v.offset)
+        fqn: (v.global_shape, v.local.detach().cpu().clone(), v.offset)  # clean FQN keys
         for fqn, v in impl.local_shards(module).items()
     }
     gathered = [None] * ctx.world_size
@@ -346,7 +346,7 @@ def assert_loaded(ctx, model, expected: dict, what: str, impl=None, params=None)
             f"{expected[fqn].reshape(-1)[:4].tolist()}"
         )
     for name, buf in model.named_buffers():
-        name = clean_fqn(name)
+        name = (impl or ctx.impl).clean_fqn(name)
         if name in expected:
             assert torch.equal(buf.detach().cpu().to(expected[name].dtype), expected[name]), (
                 f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected {expected[name].tolist()}"

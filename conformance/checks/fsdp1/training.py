@@ -88,7 +88,7 @@ def assert_orig_param_grads(ctx, model, oracle, what: str) -> None:
     elements ``offset .. offset+n`` of the rank's view (the flat layout may hold alignment padding
     between parameters, so the flat gradient is not compared)."""
     views = ctx.impl.local_shards(model)
-    grads = {base.clean_fqn(n): p.grad for n, p in model.named_parameters()}
+    grads = {ctx.impl.clean_fqn(n): p.grad for n, p in model.named_parameters()}
     for name, ref in oracle.named_parameters():
         view, grad = views[name], grads.get(name)
         n = view.local.numel()
@@ -212,7 +212,7 @@ def flat_train_parity_orig_params(ctx, plan, optim, model_name="mlp"):
     model = run_flat_parity(
         ctx, model_name, plan, optim, steps=2, options={"use_orig_params": True}
     )
-    names = {base.clean_fqn(n) for n, _ in model.named_parameters()}
+    names = {ctx.impl.clean_fqn(n) for n, _ in model.named_parameters()}
     expected = {n for n, _ in MODELS[model_name]().named_parameters()}
     assert names == expected, (
         f"{ctx.where()} use_orig_params: named_parameters {sorted(names)}, expected the original "

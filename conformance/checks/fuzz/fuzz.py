@@ -16,7 +16,7 @@ import copy
 import torch
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.adapters.base import NotSupported
 from conformance.checks._shared.rows import chunk_size
 from conformance.checks._shared.sd_models import (
     assert_entry,
@@ -135,7 +135,7 @@ def gathered(ctx, model, impl=None) -> dict[str, torch.Tensor]:
     if base.DTENSOR_PARAMS in impl.capabilities:  # an empty parameter has nothing to gather (and
         # torch 2.13 cannot gather a zero-trailing one: layout::per_param_dim0_*[*-zero-trailing-)
         return {
-            clean_fqn(n): p.detach().full_tensor().cpu() if p.numel() else torch.zeros(p.shape)
+            impl.clean_fqn(n): p.detach().full_tensor().cpu() if p.numel() else torch.zeros(p.shape)
             for n, p in model.named_parameters()
         }
     return full_params(ctx, model, impl)
@@ -190,7 +190,7 @@ def assert_per_param_layout(
     chunk of ``originals`` (rows of ceil(d/ws)); a padded storage is ceil(d0/ws) rows with a zero
     tail (P1, P7) and, with ``views_padded``, the local shard is a view of it (P9)."""
     what = f" {what}" if what else ""
-    views = {clean_fqn(k): v for k, v in ctx.impl.local_shards(model).items()}
+    views = ctx.impl.local_shards(model)  # keyed by clean FQN
     assert set(views) == set(originals), (
         f"{ctx.where()}{what} parameters {sorted(views)} != {sorted(originals)}"
     )
@@ -238,7 +238,6 @@ def layout(ctx, example):
     elif base.FLAT_PARAM in ctx.impl.capabilities:
         seen = []
         for fqns, shard_ in ctx.impl.flat_shards(model):
-            fqns = [clean_fqn(f) for f in fqns]
             order = [f for f in originals if f in fqns]
             assert fqns == order, (
                 f"{ctx.where()} flat parameter order {fqns}, expected registration order {order}"
@@ -508,7 +507,7 @@ def assign_and_train(ctx, example: dict, fresh, sd: dict, expected: dict, oracle
     assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {what}: {result}"
     dims = placement_dims(example, oracle)
     for fqn, param in fresh.named_parameters():
-        name = clean_fqn(fqn)
+        name = ctx.impl.clean_fqn(fqn)
         assert param is not before[fqn], f"{ctx.where()} {what}: {name} is the old Parameter"
         assert isinstance(param, DTensor), (
             f"{ctx.where()} {what}: {name} is a {type(param).__name__}, expected a DTensor"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from conformance.adapters import base
-from conformance.adapters.base import clean_fqn
 from conformance.checks._shared.sd_models import (
     AREA,
     Net,
@@ -97,10 +96,11 @@ def checkpoint_flow(ctx, kind, to_cpu):
     assert_oracle_params(ctx, loaded, oracle, what)
     saved = expected_state_dict(oracle)
     for name, buf in loaded.named_buffers():
-        if clean_fqn(name) in saved:
-            assert torch.equal(buf.detach().cpu(), saved[clean_fqn(name)]), (
-                f"{ctx.where()} {what}: buffer {clean_fqn(name)} is {buf.tolist()}, expected the saved "
-                f"{saved[clean_fqn(name)].tolist()}"
+        name = ctx.impl.clean_fqn(name)
+        if name in saved:
+            assert torch.equal(buf.detach().cpu(), saved[name]), (
+                f"{ctx.where()} {what}: buffer {name} is {buf.tolist()}, expected the saved "
+                f"{saved[name].tolist()}"
             )
     # The next step's loss on this rank's batch: the oracle's on the same samples (computed first,
     # under no_grad; never a no_grad forward of the sharded model before its optimizer is built,

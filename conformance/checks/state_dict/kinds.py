@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.adapters.base import NotSupported
 from conformance.checks._shared.sd_models import (
     AC_PLAN,
     AREA,
@@ -237,7 +237,7 @@ def round_trip(ctx, kind, config):
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
     expected = plain_reference(Net, 0)
     assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
-    scratch = [b for n, b in dst.named_buffers() if clean_fqn(n) == "scratch"]
+    scratch = [b for n, b in dst.named_buffers() if ctx.impl.clean_fqn(n) == "scratch"]
     assert scratch and torch.equal(scratch[0].cpu(), Net(1).scratch), (
         f"{ctx.where()} the non-persistent buffer changed on load (it is never saved)"
     )
@@ -276,7 +276,7 @@ def buffers(ctx, kind, mixed_precision=False):
         for name, param in plain.named_parameters():
             assert_entry(ctx, name, sd[name], param.detach(), full=is_full_kind(ctx, kind))
     if mixed_precision and base.FLAT_PARAM in ctx.impl.capabilities:
-        dtypes = {clean_fqn(n): b.dtype for n, b in model.named_buffers()}
+        dtypes = {ctx.impl.clean_fqn(n): b.dtype for n, b in model.named_buffers()}
         assert dtypes["buf"] == torch.float16, (
             f"{ctx.where()} module buffer dtype after save {dtypes}, expected fp16"
         )
@@ -284,7 +284,7 @@ def buffers(ctx, kind, mixed_precision=False):
     if mixed_precision:
         dst(torch.ones(2, 4, device=ctx.device))
     first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    got = {clean_fqn(n): b.detach().cpu().float() for n, b in dst.named_buffers()}
+    got = {ctx.impl.clean_fqn(n): b.detach().cpu().float() for n, b in dst.named_buffers()}
     for name, exp in expected.items():
         assert torch.equal(got[name], exp), (
             f"{ctx.where()} buffer {name} after load {got[name].tolist()} != {exp.tolist()}"

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported, clean_fqn
+from conformance.adapters.base import NotSupported
 from conformance.checks.wrap import _models as zoo
 from conformance.registry import check
 
@@ -465,7 +465,7 @@ def _device_id(ctx):
 
 def _fsdp1_units(ctx, wrapped: nn.Module) -> dict[str, nn.Module]:
     FSDP = ctx.impl.ns.FullyShardedDataParallel
-    return {clean_fqn(n): m for n, m in wrapped.named_modules() if isinstance(m, FSDP)}
+    return {ctx.impl.clean_fqn(n): m for n, m in wrapped.named_modules() if isinstance(m, FSDP)}
 
 
 def _fsdp1_managed(unit_fqn: str, unit: nn.Module) -> list[str]:
