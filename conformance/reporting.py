@@ -124,7 +124,7 @@ def case_record(report, meta, outcome: str) -> dict:
             for r in getattr(report, "rank_results", [])
         ],
         "repro": repro_command(meta),
-        **{k: v for k, v in report.user_properties if k == "repro_script"},  # fuzz failures
+        **{k: v for k, v in report.user_properties if k in ("repro_script", "fuzz")},  # fuzz
     }
 
 
