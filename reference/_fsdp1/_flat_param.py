@@ -30,6 +30,11 @@ entries are listed in ``_numels_with_padding`` with ``_is_padding_mask`` True. W
 
 The layout arithmetic is pure (no process group) and lives in ``_fsdp1_flat_layout``;
 :class:`FlatParamHandle` applies it to real parameters.
+
+[Note: collective names across torch versions]  torch 2.13 renamed ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single`` and made the old names
+warn; 2.11 and 2.12 have only the old names. :func:`all_gather_single` and
+:func:`reduce_scatter_single` below call the new name where it exists, else the old one.
 """
 
 from __future__ import annotations
@@ -225,7 +230,7 @@ class FlatParamHandle:
         if not self.uses_sharded_strategy:
             return local.clone() if copy and local is shard else local
         out = local.new_empty(local.numel() * self.world_size)
-        dist.all_gather_single(out, local.contiguous(), group=self.process_group)
+        all_gather_single(out, local.contiguous(), self.process_group)
         return out
 
     def _reduce_grad(self, grad_padded: torch.Tensor) -> torch.Tensor:
@@ -234,7 +239,7 @@ class FlatParamHandle:
         grad = grad_padded.to(self._reduce_dtype).contiguous()
         if self.uses_sharded_strategy:
             out = grad.new_empty(grad.numel() // self.world_size)
-            dist.reduce_scatter_single(out, grad, group=self.process_group)
+            reduce_scatter_single(out, grad, self.process_group)
         else:
             out = grad.clone() if grad is grad_padded else grad
             dist.all_reduce(out, group=self.process_group)
@@ -387,7 +392,7 @@ class FlatParamHandle:
                 padded.untyped_storage().resize_(nbytes)
                 # `.data` has its own version counter: refilling is not an in-place op for autograd.
                 local = self.flat_param.detach().to(self._compute_dtype).contiguous()
-                dist.all_gather_single(padded.data, local, group=self.process_group)
+                all_gather_single(padded.data, local, self.process_group)
         if live:
             self.use_unsharded_views(live[-1], as_params=False)
 
@@ -408,6 +413,16 @@ class FlatParamHandle:
         the flat gradient they were views of is dropped too."""
         if self._use_orig_params and all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
+
+
+def all_gather_single(output, input, group) -> None:  # Note: collective names
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
+def reduce_scatter_single(output, input, group) -> None:  # Note: collective names
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(output, input, group=group)
 
 
 def _fqn(info: ParamInfo) -> str:

@@ -46,7 +46,7 @@ from torch.distributed._shard.sharded_tensor import (
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
 from reference._fsdp1._common_utils import FSDP_PREFIX, _FSDPState, clean_tensor_name
-from reference._fsdp1._flat_param import FLAT_PARAM
+from reference._fsdp1._flat_param import FLAT_PARAM, all_gather_single
 from reference._fsdp1._load_checks import _validate_load_input
 from reference._fsdp1._runtime_utils import _lazy_init, _unshard_fsdp_state_params
 from reference.api import FullStateDictConfig, ShardingStrategy, StateDictType
@@ -352,7 +352,7 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
         else:
             local = torch.zeros(chunk_numel, dtype=value.dtype, device=state.compute_device)
         gathered = local.new_empty(chunk_numel * state.world_size)
-        dist.all_gather_single(gathered, local, group=state.process_group)
+        all_gather_single(gathered, local, state.process_group)
         state_dict[key] = gathered[: shape.numel()].view(shape)
 
 

@@ -27,6 +27,11 @@ dtypes (fp16) risk overflow, so they ``SUM`` between a pre-divide by ``pre`` (do
 reduce-scatter size, else upstream's ``PREMUL_SUM(1 / f)``, which the reference spells as a divide
 by ``f`` before a ``SUM`` (the same sum, on backends without ``PREMUL_SUM`` such as gloo). With one
 rank the reduce-scatter is skipped; the divides alone apply.
+
+[Note: collective names across torch versions]
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
+``reduce_scatter_single`` and made the old names warn; 2.11 and 2.12 have only the old names. The
+two helpers at the end call the new name where it exists, else the old one (the same collective).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ def foreach_all_gather(
     output = torch.empty(input_numel * world_size, dtype=dtype, device=device)
     my_row = output.narrow(0, input_numel * rank, input_numel)
     torch._foreach_copy_(list(torch.split(my_row, split_sizes)), flat_inputs)
-    work = dist.all_gather_single(output, my_row, group=group, async_op=async_op)
+    work = _all_gather_single(output, my_row, group, async_op)
     return AllGatherResult(output, work if async_op else None, dtypes, numels, split_sizes)
 
 
@@ -166,9 +171,7 @@ def foreach_reduce(
     _div_if_needed(reduce_scatter_input, predivide)
     if world_size > 1:
         output = torch.empty(input_numel // world_size, dtype=reduce_dtype, device=device)
-        dist.reduce_scatter_single(
-            output, reduce_scatter_input, op=rs_op, group=reduce_scatter_group
-        )
+        _reduce_scatter_single(output, reduce_scatter_input, rs_op, reduce_scatter_group)
     else:  # one rank: SUM and AVG leave the input as it is
         output = reduce_scatter_input
     if all_reduce_group is not None:
@@ -217,3 +220,13 @@ def _get_gradient_divide_factors(
 def _div_if_needed(tensor: torch.Tensor, div_factor: float | None) -> None:
     if div_factor is not None and div_factor != 1:
         tensor.div_(div_factor)
+
+
+def _all_gather_single(output, input, group, async_op):  # Note: collective names
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(output, input, op, group):  # Note: collective names
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(output, input, op=op, group=group)
