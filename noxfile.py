@@ -33,7 +33,10 @@ def install_torch(session: nox.Session) -> None:
 def conformance(session: nox.Session) -> None:
     """Run the conformance suite; arguments after ``--`` go to it (see ``python -m conformance --help``)."""
     install_torch(session)
-    session.run("python", "-m", "conformance", *session.posargs)
+    # rerun lines in the reports then say "nox -s conformance -- ..." (conformance.reporting)
+    session.run(
+        "python", "-m", "conformance", *session.posargs, env={"FSDP_CONFORMANCE_LAUNCHER": "nox"}
+    )
 
 
 @nox.session
