@@ -3,6 +3,8 @@ for the persistent rank group (see the Note in :mod:`conformance.fuzz`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import pytest
@@ -18,6 +20,12 @@ from conformance.runner.protocol import Task
 CI_EXAMPLES = 8  # examples per fuzz case without --fuzz-examples (derandomized: the same each run)
 # after this long (CI budget / --fuzz-examples), shrinking settles on the smallest failing example
 SHRINK_SECONDS = {"ci": 90.0, "deep": 300.0}
+
+
+def digest(value) -> str:
+    """A short, stable hash of a plain value (an example, a case's settings)."""
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class ExampleFailed(Exception):
@@ -38,12 +46,34 @@ class FuzzItem(CheckItem):
         if missing:  # before hypothesis: rejecting every drawn example would take seconds
             pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
         deep = self.config.option.fuzz_examples
+        budget = deep or CI_EXAMPLES
         timeout = meta.spec.timeout or self.config.option.check_timeout
         case_kwargs = meta.spec.cases[meta.case]
-        stats = {"ran": 0, "unsupported": "", "first_failure": None, "smallest": None}
         shrink_for = SHRINK_SECONDS["deep" if deep else "ci"]
         drops = dropped(meta.spec.fn.fuzz_drops, meta.case, impl.name)
         features = meta.spec.fn.fuzz_features.difference(*(d.features for d in drops))
+        settings_used = {
+            "check": meta.spec.path,
+            "case": meta.case,
+            "case_kwargs": case_kwargs,
+            "world_size": meta.world_size,
+            "features": sorted(features),
+            "budget": budget,
+            "derandomize": not deep,
+            "timeout": timeout,
+        }
+        # [Note: what a fuzz case ran] ``drawn``: digests of the examples hypothesis generated
+        # and the ranks ran, in order, up to and including the first failing one (hypothesis
+        # generates no more after it); ``shrink_runs``: examples run after it while shrinking;
+        # ``not_supported``: drawn examples the implementation declined (not in the budget).
+        stats = {
+            "drawn": [],
+            "not_supported": 0,
+            "shrink_runs": 0,
+            "unsupported": "",
+            "first_failure": None,
+            "smallest": None,
+        }
 
         def run(example):
             if (
@@ -63,8 +93,13 @@ class FuzzItem(CheckItem):
                 stats["unsupported"] = next(
                     r.detail for r in results if r.status == protocol.NOT_SUPPORTED
                 )
+                if stats["first_failure"] is None:
+                    stats["not_supported"] += 1
                 reject()
-            stats["ran"] += 1
+            if stats["first_failure"] is None:
+                stats["drawn"].append(digest(example))
+            else:
+                stats["shrink_runs"] += 1
             if any(r.status != protocol.OK for r in results):
                 failure = ExampleFailed(example, results)
                 if stats["first_failure"] is None:
@@ -75,7 +110,7 @@ class FuzzItem(CheckItem):
             self.rank_results = results
 
         prop = settings(
-            max_examples=deep or CI_EXAMPLES,
+            max_examples=budget,
             derandomize=not deep,
             database=None,
             deadline=None,
@@ -90,15 +125,17 @@ class FuzzItem(CheckItem):
             pytest.skip(f"NotSupported: {impl.name} does not support {stats['unsupported']}")
         except (ExampleFailed, Flaky) as exc:
             failure = exc if isinstance(exc, ExampleFailed) else stats["smallest"]
-            raise self._failure(failure, stats["ran"], drops) from None
-        self.user_properties.append(("fuzz_examples", stats["ran"]))
+            raise self._failure(failure, stats, budget, shrink_for, drops) from None
+        finally:
+            self.user_properties.append(("fuzz", ran_record(settings_used, stats, budget)))
+        self.user_properties.append(("fuzz_examples", len(stats["drawn"])))
 
-    def _failure(self, failure: ExampleFailed, ran: int, drops) -> CheckFailure:
+    def _failure(self, failure: ExampleFailed, stats, budget, shrink_for, drops) -> CheckFailure:
         script = repro.snippet(self.meta, failure.example)
         self.user_properties.append(("repro_script", script))
         left_out = "".join(f"\n  {', '.join(sorted(d.features))}: {d.reason}" for d in drops)
         return CheckFailure(
-            f"fuzz example failed (after {ran} example(s), shrunk):\n{failure}\n\n"
+            f"fuzz example failed: {counts_line(stats, budget, shrink_for)}:\n{failure}\n\n"
             + (
                 f"Features left out of this case's examples for {self.meta.impl_name}:{left_out}\n\n"
                 if drops
@@ -106,3 +143,33 @@ class FuzzItem(CheckItem):
             )
             + f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}"
         )
+
+
+def counts_line(stats, budget: int, shrink_for: float) -> str:
+    """How many examples the case drew, out of which budget, and what shrinking ran."""
+    drawn = len(stats["drawn"])
+    text = f"example {drawn} of this case's budget of {budget} failed"
+    if stats["not_supported"]:
+        text += f" ({stats['not_supported']} more drawn, not supported by the implementation)"
+    if not shrink_for:
+        return text + "; not shrunk (shrinking is off in this run), the failing example is"
+    return text + (
+        f"; shrinking ran {stats['shrink_runs']} more example(s) (for up to {shrink_for:.0f} s), "
+        "the smallest failing one is"
+    )
+
+
+def ran_record(settings_used: dict, stats, budget: int) -> dict:
+    """The case record's ``fuzz`` field: what the case ran, so that two implementations' runs of
+    it can be compared (the self-test credits a fault's fuzz failure only when its control ran
+    the same settings and examples and passed; see :mod:`conformance.selftest.score`)."""
+    settings_digest = digest(settings_used)
+    return {
+        "settings": settings_digest,
+        "drawn": list(stats["drawn"]),
+        "fingerprint": digest([settings_digest, stats["drawn"]]),
+        "budget": budget,
+        "not_supported": stats["not_supported"],
+        "shrink_runs": stats["shrink_runs"],
+        "failed": stats["first_failure"] is not None,
+    }

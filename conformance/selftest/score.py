@@ -1,12 +1,28 @@
 """From conformance reports to the self-test's verdicts, table and mutation score (no spawning).
 
 [Note: what counts as a catch]
-A fault is *caught by* a case when the case's outcome on the fault is ``fail`` while the same case
-(id) on the unpatched implementation passed or was an expected failure: with expectations looked
-up under the broken implementation's name, an expected failure that fails the documented way stays
-``xfail`` (not a catch), one that fails differently or passes is ``fail`` (a catch). A failure
-whose message says the fault could not be applied (``BrokenFault``) makes the fault BROKEN, never
-caught. A case the control itself fails proves nothing and is reported as a control failure.
+A fault is *caught by* a case when the case fails on the fault while its control (the unpatched
+implementation) ran the same thing and passed:
+
+* an ordinary case: the control's record has the same case id, world size, device and backend (one
+  conformance run carries both, so the run's options are the same) and passed or was an expected
+  failure. With expectations looked up under the broken implementation's name, an expected failure
+  that fails the documented way stays ``xfail`` (not a catch); one that fails differently or
+  passes is ``fail`` (a catch);
+* a fuzz case: besides, both records carry what the case ran (``fuzz``, see
+  :func:`conformance.fuzz.item.ran_record`): the control passed with the same settings digest
+  (check, case, world size, features after drops, budget, derandomization, timeout), and the
+  examples the fault ran up to and including its first failing one are the first examples the
+  control ran. The examples a case draws depend on the implementation (its capabilities, the drops
+  it gets), so a fault that drew examples its control never ran may have failed on the control's
+  own bug, not on the fault; such a failure is not credited. A fuzz record without ``fuzz`` cannot
+  be compared and is not credited either.
+
+The *old rule* (same case id, control passed or xfail) is computed from the same records, so the
+report lists per fault the catches the old rule credited and this one does not, with the reason.
+A failure whose message says the fault could not be applied (``BrokenFault``) makes the fault
+BROKEN, never caught. A case the control itself fails proves nothing and is reported as a control
+failure.
 """
 
 from __future__ import annotations
@@ -28,6 +44,10 @@ class Verdict:
     status: str = NOT_RUN
     caught_by: list[str] = field(default_factory=list)  # case ids, sorted
     detail: str = ""
+    # case id -> why the old rule (same case id) credited it and this rule does not
+    withdrawn: dict[str, str] = field(default_factory=dict)
+    old_caught_by: list[str] = field(default_factory=list)  # the old rule's catches, sorted
+    only_fuzz_before: bool = False  # every catch under the old rule was a fuzz case
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -61,11 +81,53 @@ def judge(fault, records: list[dict], world_sizes: list[int]) -> Verdict:
         if rec["outcome"] != "fail":
             continue
         control = by_case.get((control_name, rec["id"]))
-        if control is not None and control["outcome"] in ("pass", "xfail"):
+        if control is None or control["outcome"] not in ("pass", "xfail"):
+            continue
+        verdict.old_caught_by.append(rec["id"])
+        reason = not_same_run(rec, control)
+        if reason:
+            verdict.withdrawn[rec["id"]] = reason
+        else:
             verdict.caught_by.append(rec["id"])
     verdict.caught_by.sort()
+    verdict.old_caught_by.sort()
+    verdict.only_fuzz_before = bool(verdict.old_caught_by) and all(
+        _is_fuzz(by_case[(fault.adapter_name, c)]) for c in verdict.old_caught_by
+    )
     verdict.status = CAUGHT if verdict.caught_by else MISSED
     return verdict
+
+
+def _is_fuzz(record: dict) -> bool:
+    return "fuzz" in record or record.get("area") == "fuzz"
+
+
+def not_same_run(fault_rec: dict, control: dict) -> str:
+    """Why the control's record does not show that it ran what the fault's failing record ran and
+    passed ('' when it does; see [Note: what counts as a catch])."""
+    for key in ("world_size", "device", "backend"):
+        if fault_rec.get(key) != control.get(key):
+            return f"the control ran at {key} {control.get(key)!r}, the fault at {fault_rec.get(key)!r}"
+    if not (_is_fuzz(fault_rec) or _is_fuzz(control)):
+        return ""
+    mine, theirs = fault_rec.get("fuzz"), control.get("fuzz")
+    if mine is None or theirs is None:
+        return "a fuzz record does not say which examples it ran"
+    if control["outcome"] != "pass":
+        return f"the control's fuzz case was {control['outcome']}, not pass"
+    if mine["settings"] != theirs["settings"]:
+        return "the control ran the fuzz case with other settings (features, drops or budget)"
+    ran = mine["drawn"]
+    if theirs["drawn"][: len(ran)] != ran:
+        same = next(
+            (i for i, (a, b) in enumerate(zip(ran, theirs["drawn"])) if a != b),
+            min(len(ran), len(theirs["drawn"])),
+        )
+        return (
+            f"the control never ran the fault's examples from #{same + 1} on "
+            f"(the fault ran {len(ran)}, the control {len(theirs['drawn'])})"
+        )
+    return ""
 
 
 def _broken_reason(message: str) -> str:
@@ -94,6 +156,14 @@ def summary(verdicts: list[Verdict]) -> dict:
         "broken": sum(v.status == BROKEN for v in ran),
         "not_run": len(verdicts) - len(ran),
         "score": round(caught / len(ran), 4) if ran else None,
+        "rule": "control ran the same case (fuzz: same settings and examples) and passed",
+        "old_rule": {
+            "rule": "control passed the same case id",
+            "caught": sum(bool(v.old_caught_by) for v in ran),
+            "withdrawn_catches": sum(len(v.withdrawn) for v in ran),
+            "faults_with_withdrawn_catches": sum(bool(v.withdrawn) for v in ran),
+            "faults_only_fuzz_caught": [v.fault_id for v in ran if v.only_fuzz_before],
+        },
     }
 
 
@@ -119,7 +189,19 @@ def table_lines(verdicts: list[Verdict], limit: int = 3) -> list[str]:
             (v.fault_id, v.impl, v.behaviour, ",".join(map(str, v.world_sizes)) or "-", result)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    withdrawn = [v for v in verdicts if v.withdrawn]
+    if withdrawn:
+        lines += ["", "credited by the old rule (same case id) only, withdrawn:"]
+        for v in withdrawn:
+            lines.append(
+                f"  {v.fault_id}: {len(v.withdrawn)} of {len(v.old_caught_by)}"
+                + (" (its only catches were fuzz cases)" if v.only_fuzz_before else "")
+            )
+            lines += [f"    {case}: {why}" for case, why in sorted(v.withdrawn.items())[:limit]]
+            if len(v.withdrawn) > limit:
+                lines.append(f"    (+{len(v.withdrawn) - limit} more; see selftest.md)")
+    return lines
 
 
 def score_line(stats: dict, wall: float | None = None) -> str:
@@ -131,7 +213,15 @@ def score_line(stats: dict, wall: float | None = None) -> str:
         + (f", {stats['not_run']} not run" if stats["not_run"] else "")
         + ")"
     )
-    return text + (f" in {wall:.0f} s" if wall is not None else "")
+    text += f" in {wall:.0f} s" if wall is not None else ""
+    old = stats.get("old_rule")
+    if old:
+        text += (
+            f"; old rule (same case id): {old['caught']}/{stats['faults']}, "
+            f"{old['withdrawn_catches']} catch(es) of {old['faults_with_withdrawn_catches']} "
+            "fault(s) withdrawn"
+        )
+    return text
 
 
 def markdown(
@@ -159,6 +249,29 @@ def markdown(
             f"| `{v.fault_id}` | {v.impl} | {v.behaviour} | {v.area} | "
             f"{','.join(map(str, v.world_sizes)) or '-'} | {result} | {v.description} |"
         )
+    lines += [
+        "",
+        "A case catches a fault when it fails on the fault and the control ran the same case "
+        "(same world size and options; a fuzz case: the same settings and examples) and passed.",
+        "",
+        "## Catches the old rule credited and this one does not",
+        "",
+        "The old rule credited a case failing on the fault whenever the control passed the same "
+        "case id, even when a fuzz case drew examples the control never ran.",
+        "",
+    ]
+    withdrawn = [v for v in verdicts if v.withdrawn]
+    for v in withdrawn:
+        lines.append(
+            f"* `{v.fault_id}`: {len(v.withdrawn)} of {len(v.old_caught_by)} withdrawn"
+            + (" (its only catches were fuzz cases)" if v.only_fuzz_before else "")
+        )
+        lines += [f"  * `{case}`: {why}" for case, why in sorted(v.withdrawn.items())]
+    if not withdrawn:
+        lines.append("none")
+    only_fuzz = [v.fault_id for v in verdicts if v.only_fuzz_before]
+    lines += ["", "## Faults whose only catches under the old rule were fuzz cases", ""]
+    lines += [f"* `{f}`" for f in only_fuzz] or ["none"]
     lines += ["", "## Control (unpatched implementations)", ""]
     lines += [f"* FAILED `{c}`" for c in control_fails] or ["clean: no failures"]
     return "\n".join(lines) + "\n"
