@@ -1,5 +1,5 @@
 """Harness code of the wrap area: ``plan_entries`` and the expectation helpers of
-``conformance/checks/wrap/wrap.py`` (the plan logic itself is tested in tests/reference)."""
+``conformance/checks/wrap/_cases.py`` (the plan logic itself is tested in tests/reference)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import MappingProxyType
 from torch import nn
 
 from conformance.adapters.base import plan_entries
+from conformance.checks.wrap import _cases as wrap
 from conformance.checks.wrap import _models as zoo
-from conformance.checks.wrap import wrap
 
 
 class _Entry:  # shaped like reference.wrap._wrap_plan.WrapPlanEntry
