@@ -15,28 +15,28 @@ Every kind: persistent buffers under clean names, non-persistent buffers never, 
 (a fresh model with other values ends up with the saved values). Expected values come from an
 unwrapped copy of the model (trained on the global batch where the check trains), never from the
 implementation under test. At world size 1 FSDP1 clamps to NO_SHARD and every kind is FULL (S8).
-Resharding and cross-implementation loads live in ``state_dict_reshard.py``; models and the
-kind-aware assertions in ``_sd_models.py``. FSDP2's own aliasing / reshard-before-save / assign
-rules (P8, P9) are the ``fsdp2_state_dict`` area's.
+This module checks what each kind holds (keys, values, buffers, world size 1), that it loads back,
+and FSDP1's ``state_dict_type`` context. Beside it in ``state_dict/``: ``structures.py`` (shared
+parameters, ignored modules, activation checkpointing), ``bad_input.py`` (loads that must fail),
+``fsdp1.py`` (FSDP1 depth: meshes, unmanaged modules, offload, prefixes), ``reshard.py``
+(resharding and cross-implementation loads), ``checkpoint_flow.py`` (train, save, load, train on).
+Models and the kind-aware assertions are in ``_shared/sd_models.py``. FSDP2's own aliasing /
+reshard-before-save / assign rules (P8, P9) are the ``fsdp2_state_dict`` area's
+(``fully_shard/state_dict.py``).
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import torch
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported
 from conformance.checks._shared.sd_models import (
-    AC_PLAN,
     AREA,
     KIND_CASES,
     NET_PLAN,
-    CheckpointedNet,
     Net,
-    TiedNet,
     assert_clean_keys,
     assert_entry,
     assert_loaded,
@@ -44,7 +44,6 @@ from conformance.checks._shared.sd_models import (
     build,
     expected_state_dict,
     first_error_everywhere,
-    full_params,
     is_full_kind,
     plain_reference,
     require_kind,
@@ -291,91 +290,7 @@ def buffers(ctx, kind, mixed_precision=False):
         )
 
 
-# ------------------------------------------------------------------------- model structures
-@check(area=AREA, cases=KIND_CASES)
-def shared_params(ctx, kind):
-    """S15: a shared module (net3 is net2) and a shared parameter (shared_parameter is
-    random_parameter) keep every alias key with the aliased value, and load back."""
-    require_kind(ctx, kind)
-    expected = plain_reference(TiedNet, 0)
-    sd = first_error_everywhere(
-        ctx, lambda: ctx.impl.state_dict(build(ctx, TiedNet, plan=None), kind)
-    )
-    assert_clean_keys(ctx, sd)
-    if kind != "local" or is_full_kind(ctx, kind):
-        assert set(sd) == set(expected), (
-            f"{ctx.where()} keys: extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}"
-        )
-        for name, exp in expected.items():
-            assert_entry(ctx, name, sd[name], exp, full=is_full_kind(ctx, kind))
-    dst = build(ctx, TiedNet, salt=1, plan=None)
-    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
-
-
-@check(area=AREA, cases={k: {"kind": k} for k in ("full", "sharded")})
-def ignored_modules(ctx, kind):
-    """S14: with ``ignored_modules=[outer]`` the keys equal the unwrapped model's; the ignored
-    parameters are saved as plain tensors, uncloned under FULL (the live tensor itself), and a
-    FULL dict loads strictly into an unwrapped model."""
-    require_kind(ctx, kind)
-    raw = Net(0).to(ctx.device)
-    model = ctx.impl.shard(raw, ctx, plan=[("inner", {}), ("", {})], ignored_modules=[raw.outer])
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
-    expected = plain_reference(Net, 0)
-    assert_clean_keys(ctx, sd)
-    assert set(sd) == set(expected), f"{ctx.where()} keys {sorted(sd)} != {sorted(expected)}"
-    params = dict(Net().named_parameters())
-    for name, exp in expected.items():
-        ignored = name.startswith("outer.")
-        assert_entry(
-            ctx, name, sd[name], exp, full=ignored or name not in params or is_full_kind(ctx, kind)
-        )
-    if is_full_kind(ctx, kind):
-        live = raw.outer.weight
-        assert sd["outer.weight"].data_ptr() == live.data_ptr(), (
-            f"{ctx.where()} ignored parameter outer.weight was cloned (expected the live tensor)"
-        )
-        plain = Net(1)
-        plain.load_state_dict(sd)
-        for name, value in plain.state_dict().items():
-            assert torch.equal(value, expected[name]), (
-                f"{ctx.where()} unwrapped load: {name} differs"
-            )
-    raw2 = Net(1).to(ctx.device)
-    dst = ctx.impl.shard(raw2, ctx, plan=[("inner", {}), ("", {})], ignored_modules=[raw2.outer])
-    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
-    assert torch.equal(raw2.outer.weight.detach().cpu(), expected["outer.weight"]), (
-        f"{ctx.where()} ignored parameter outer.weight not loaded"
-    )
-
-
-@check(
-    area=AREA,
-    cases={k: {"kind": k} for k in ("full", "sharded", "dtensor", "dcp-full", "dcp-sharded")},
-)
-def activation_checkpoint(ctx, kind):
-    """S16: a model whose ``inner`` is ``checkpoint_wrapper``-ed has the plain model's keys (no
-    ``_checkpoint_wrapped_module``), and its dict loads into the plain model and back."""
-    require_kind(ctx, kind)
-    expected = expected_state_dict(CheckpointedNet(0, wrap_ac=False))
-    src = build(ctx, CheckpointedNet, salt=0, plan=AC_PLAN)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(src, kind))
-    assert_clean_keys(ctx, sd)
-    assert set(sd) == set(expected), f"{ctx.where()} keys {sorted(sd)} != {sorted(expected)}"
-    if is_full_kind(ctx, kind):
-        plain = CheckpointedNet(1, wrap_ac=False)
-        plain.load_state_dict(sd)  # strict
-    dst = ctx.impl.shard(CheckpointedNet(1, wrap_ac=False).to(ctx.device), ctx, plan=AC_PLAN)
-    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    assert_loaded(ctx, dst, expected, f"AC source -> plain destination ({kind})")
-    back = ctx.impl.state_dict(dst, kind)
-    dst_ac = build(ctx, CheckpointedNet, salt=2, plan=AC_PLAN)
-    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst_ac, back, kind))
-    assert_loaded(ctx, dst_ac, expected, f"plain source -> AC destination ({kind})")
-
-
+# ------------------------------------------------------------------------------ world size 1
 @check(
     area=AREA,
     requires={base.FLAT_PARAM},
@@ -439,116 +354,3 @@ def state_dict_type_context(ctx):
     assert current() == {T.SHARDED_STATE_DICT}, (
         f"{ctx.where()} a failed state_dict_type changed the type: {current()}"
     )
-
-
-# ----------------------------------------------------------------------------- loading errors
-@check(area=AREA, cases={k: {"kind": k} for k in ("full", "sharded", "dtensor")})
-def incompatible_keys(ctx, kind):
-    """S11: ``load_state_dict(strict=False)`` of a dict missing ``inner.weight`` and holding an
-    extra ``unexpected`` reports exactly those clean names."""
-    require_kind(ctx, kind)
-    sd = ctx.impl.state_dict(build(ctx, salt=0), kind)
-    sd = dict(sd)
-    del sd["inner.weight"]
-    sd["unexpected"] = torch.zeros(1, device=ctx.device)
-    dst = build(ctx, salt=1)
-    result = first_error_everywhere(
-        ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind, strict=False)
-    )
-    missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
-    assert missing == ["inner.weight"], (
-        f"{ctx.where()} missing keys {missing}, expected ['inner.weight']"
-    )
-    assert unexpected == ["unexpected"], (
-        f"{ctx.where()} unexpected keys {unexpected}, expected ['unexpected']"
-    )
-
-
-def _bad_wrong_shape(ctx, sd, kind):
-    if kind == "dtensor":
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        sd["outer.weight"] = distribute_tensor(
-            torch.zeros(3, 3, device=ctx.device), ctx.mesh, [Shard(0)]
-        )
-    else:
-        sd["outer.weight"] = torch.zeros(3, 3, device=ctx.device)
-
-
-def _bad_missing_key(ctx, sd, kind):
-    del sd["inner.bias"]
-
-
-def _bad_plain_tensors(ctx, sd, kind):
-    for key, value in plain_reference(Net, 0).items():
-        sd[key] = value.to(ctx.device)
-
-
-BAD_INPUT_CASES = {
-    "full-wrong-shape": {"kind": "full", "bad": "wrong_shape"},
-    "full-missing-key": {"kind": "full", "bad": "missing_key"},
-    "sharded-plain-tensors": {"kind": "sharded", "bad": "plain_tensors"},
-    "local-plain-tensors": {"kind": "local", "bad": "plain_tensors"},
-    "dtensor-wrong-shape": {"kind": "dtensor", "bad": "wrong_shape"},
-    "dtensor-missing-key": {"kind": "dtensor", "bad": "missing_key"},
-    "dtensor-plain-tensors": {"kind": "dtensor", "bad": "plain_tensors"},
-}
-
-
-# what the error must name: the offending key, or the tensor type the kind expects
-BAD_INPUT_NAMES = {
-    "wrong_shape": r"outer\.weight",
-    "missing_key": r"inner\.bias",
-    "plain_tensors": r"ShardedTensor|DTensor",
-}
-
-
-@check(area=AREA, cases=BAD_INPUT_CASES)
-def bad_input(ctx, kind, bad, strict=False):
-    """A load of a dict with a wrong shape, a missing key under strict, or the wrong tensor type
-    for the kind (plain tensors for SHARDED / LOCAL / DTensor) raises on every rank, naming the
-    offending key or the expected tensor type (S2, S5, S7, P8). With ``strict`` (as the strict
-    area runs it) the module's parameters and buffers also stay byte for byte what they were."""
-    require_kind(ctx, kind)
-    if bad == "plain_tensors" and is_full_kind(ctx, kind):
-        raise NotSupported(f"at world size 1 {kind} is FULL (NO_SHARD, S8)")
-    sd = dict(ctx.impl.state_dict(build(ctx, salt=0), kind))
-    if kind == "local" and bad == "plain_tensors":
-        sd = {k: torch.zeros(v.size()) if hasattr(v, "local_shards") else v for k, v in sd.items()}
-    else:
-        {
-            "wrong_shape": _bad_wrong_shape,
-            "missing_key": _bad_missing_key,
-            "plain_tensors": _bad_plain_tensors,
-        }[bad](ctx, sd, kind)
-    dst = build(ctx, salt=1)
-    if strict:
-        before = full_params(ctx, dst)
-        buffers_before = {n: b.detach().cpu().clone() for n, b in dst.named_buffers()}
-    try:
-        ctx.impl.load_state_dict(dst, sd, kind, strict=True)
-    except Exception as exc:  # noqa: BLE001 - any error type; the message is checked below
-        error = f"{type(exc).__name__}: {exc}"
-    else:
-        error = None
-    errors = [None] * ctx.world_size
-    if ctx.world_size > 1:
-        torch.distributed.all_gather_object(errors, error)
-    else:
-        errors = [error]
-    raised = [e is not None for e in errors]
-    assert all(raised), (
-        f"{ctx.where()} loading a {kind} dict with {bad}: raised on ranks {raised} (expected all)"
-    )
-    assert re.search(BAD_INPUT_NAMES[bad], error), (
-        f"{ctx.where()} loading a {kind} dict with {bad}: the error {error[:300]!r} does not name "
-        f"{BAD_INPUT_NAMES[bad]!r}"
-    )
-    if not strict:
-        return
-    after = full_params(ctx, dst)
-    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    changed += sorted(
-        n for n, b in dst.named_buffers() if not torch.equal(b.detach().cpu(), buffers_before[n])
-    )
-    assert not changed, f"{ctx.where()} the failed {kind} load ({bad}) changed {changed}"

@@ -22,7 +22,7 @@ import torch
 
 from conformance.adapters import base
 from conformance.checks.fully_shard import bad_input as contract
-from conformance.checks.state_dict import kinds as sd_contract
+from conformance.checks.state_dict import bad_input as sd_contract
 from conformance.registry import check
 
 AREA = "strict"
