@@ -29,14 +29,14 @@ CHECKS_DIR = Path(__file__).parent / "checks"
 BEGIN = "<!-- BEGIN GENERATED: python -m conformance.spec --write -->"
 END = "<!-- END GENERATED -->"
 
-_ID = r"[PSWX]\d+"
+_ID = r"[PRSWX]\d+"
 _CITE = re.compile(rf"\b({_ID})(?:\s*[-\u2013]\s*({_ID}))?\b")
 _DEFINITION = re.compile(rf"^- \*\*({_ID})\*\*(.*)$", re.M)
 _NO_CHECK = "*No check:*"
 
 
 def _order(bid: str) -> tuple[int, int]:
-    return "SPWX".index(bid[0]), int(bid[1:])
+    return "SPRWX".index(bid[0]), int(bid[1:])
 
 
 def cited_ids(text: str) -> set[str]:

@@ -9,6 +9,10 @@ An implementation *declares* what it supports as a set of capability names (the 
 A check that needs a capability the implementation does not declare is reported NotSupported with
 the capability's name: never failed, never passed. Declaring a capability you do not implement
 turns those checks red, which is the point.
+
+Optional API surfaces are capabilities too: ``fsdp1-runtime`` (:data:`FSDP1_RUNTIME`) says the
+FSDP1 root offers ``clip_grad_norm_`` and ``summon_full_params`` with upstream's options; a fork
+without them leaves it out and those checks report NotSupported.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ FSDP2_API = (
     "fsdp2-api"  # ns.fully_shard, ns.FSDPModule, ns.MixedPrecisionPolicy, ns.CPUOffloadPolicy
 )
 FSDP1_API = "fsdp1-api"  # ns.FullyShardedDataParallel, ns.StateDictType, the configs, ns.wrap
+# FSDP1's runtime APIs beyond the state dicts, called on the sharded model itself (SPEC part R):
+# the root's ``clip_grad_norm_(max_norm, norm_type)`` and ``FullyShardedDataParallel.
+# summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)``.
+FSDP1_RUNTIME = "fsdp1-runtime"
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)

@@ -42,6 +42,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.AUTO_WRAP,
             base.TRAINING,
             base.FSDP1_API,
+            base.FSDP1_RUNTIME,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

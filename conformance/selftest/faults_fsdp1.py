@@ -472,3 +472,115 @@ fault(
     "the module->states grouping hands ignored parameters to the units",
     world_sizes=(1,),
 )(_ignored_params_counted)
+
+
+# ------------------------------------------------------------------ unused parameters (R1)
+def _drop_zero_grad_views(result, self, *args, **kwargs):
+    for param in self._orig_params if hasattr(self, "_orig_params") else self.flat_param._params:
+        if param.grad is not None and param.grad.numel() and not param.grad.abs().max().item():
+            param.grad = None  # the bug: an unused parameter's zero view is dropped
+    return result
+
+
+fault(
+    "r1-unused-grad-view-dropped",
+    "reference-fsdp1",
+    "R1",
+    "training",
+    f"{REF1}:FlatParamHandle._use_sharded_grad_views",
+    "use_orig_params=True: an unused parameter gets .grad None instead of its zero view of the "
+    "flat gradient",
+)(wrap(after=_drop_zero_grad_views))
+fault(
+    "t1-unused-grad-view-dropped",
+    "torch-fsdp1",
+    "R1",
+    "training",
+    f"{TORCH}:FlatParamHandle._use_sharded_grad_views",
+    "upstream, use_orig_params=True: an unused parameter gets .grad None instead of its zero view "
+    "of the flat gradient",
+)(wrap(after=_drop_zero_grad_views))
+
+
+# ------------------------------------------------------------------ clip_grad_norm_ (R2)
+class _CollectiveShim:
+    """Stands in for ``torch.distributed`` in one module: ``all_reduce`` is broken as told, the
+    rest is the real module."""
+
+    def __init__(self, real, mode: str):
+        self._real, self._mode = real, mode
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        if self._mode == "skip":
+            return None  # the bug: the local value is taken for the global one
+        return self._real.all_reduce(tensor, group=group)  # the bug: always SUM
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _broken_all_reduce(module_name: str, mode: str):
+    def make(original):
+        def replacement(*args, **kwargs):
+            import importlib
+
+            module = importlib.import_module(module_name)
+            real = module.dist
+            module.dist = _CollectiveShim(real, mode)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                module.dist = real
+
+        return replacement
+
+    return make
+
+
+fault(
+    "r1-clip-local-norm",
+    "reference-fsdp1",
+    "R2",
+    "fsdp1_runtime",
+    f"{REF1}:_clip_grad_norm",
+    "clip_grad_norm_ clips each rank by the norm of its own shard (the all-reduce is missing)",
+)(_broken_all_reduce("reference._fsdp1._clip_grad_utils", "skip"))
+fault(
+    "r1-clip-inf-summed",
+    "reference-fsdp1",
+    "R2",
+    "fsdp1_runtime",
+    f"{REF1}:_clip_grad_norm",
+    "clip_grad_norm_ with norm_type=inf sums the ranks' maxima instead of taking the largest",
+)(_broken_all_reduce("reference._fsdp1._clip_grad_utils", "sum"))
+fault(
+    "t1-clip-local-norm",
+    "torch-fsdp1",
+    "R2",
+    "fsdp1_runtime",
+    f"{TORCH}:FullyShardedDataParallel.clip_grad_norm_",
+    "upstream: clip_grad_norm_ clips each rank by the norm of its own shard (no all-reduce)",
+)(_broken_all_reduce("torch.distributed.fsdp.fully_sharded_data_parallel", "skip"))
+
+
+def _unclamped_clip(original):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        # the bug: the factor max_norm / total is not clamped to 1, so small gradients grow
+        total = original(self, float("inf"), norm_type)
+        factor = max_norm / (total.float() + 1e-6)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
+        return total
+
+    return clip_grad_norm_
+
+
+fault(
+    "r1-clip-factor-unclamped",
+    "reference-fsdp1",
+    "R2",
+    "fsdp1_runtime",
+    f"{REF1}:FullyShardedDataParallel.clip_grad_norm_",
+    "clip_grad_norm_ scales by max_norm / total even when that is above 1 (gradients grow)",
+)(_unclamped_clip)

@@ -599,3 +599,39 @@ fault(
     "uses on it",
     world_sizes=(2,),
 )(_pad_with_new_empty)
+
+
+# ---------------------------------------------------------------- unused parameters (P19)
+def _zero_grads_for_unused(self, *args, **kwargs):
+    for fsdp_param in self.fsdp_params:
+        if not hasattr(fsdp_param, "_unsharded_param"):
+            continue
+        unsharded = fsdp_param.unsharded_param
+        if fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None:
+            unsharded.grad = torch.zeros_like(unsharded)  # the bug: reduce a zero gradient
+
+
+fault(
+    "ref-unused-param-zero-grad",
+    "reference",
+    "P19",
+    "training",
+    f"{REF}:FSDPParamGroup.post_backward",
+    "a parameter the forward did not use gets a zero gradient instead of None (weight decay and "
+    "momentum then move it)",
+)(wrap(before=_zero_grads_for_unused))
+
+
+def _reduce_unused(self, *args, **kwargs):
+    self.reduce_scatter_unused_params = True  # the bug: as if the user had asked for it
+
+
+fault(
+    "torch-unused-param-zero-grad",
+    "torch-fsdp2",
+    "P19",
+    "training",
+    f"{TORCH}:FSDPParamGroup.post_backward",
+    "upstream: unused parameters are reduce-scattered as zero gradients without "
+    "set_reduce_scatter_unused_params(True)",
+)(wrap(before=_reduce_unused))

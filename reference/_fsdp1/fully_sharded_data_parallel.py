@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference._fsdp1._clip_grad_utils import _clip_grad_norm
 from reference._fsdp1._common_utils import (
     FSDP_WRAPPED_MODULE,
     _fsdp_modules,
@@ -45,6 +46,7 @@ from reference._fsdp1._init_utils import _clamp_strategy, _compute_device, _mana
 from reference._fsdp1._runtime_utils import (
     TrainingState,
     _forward,
+    _lazy_init,
     _read_orig_param,
     _unshard_params,
 )
@@ -316,6 +318,24 @@ class FullyShardedDataParallel(_FSDPState):
         finally:
             for h, flag in zip(handles, before):
                 h._sync_gradients = flag
+
+    # -- gradient clipping ------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole tree as ``torch.nn.utils.clip_grad_norm_`` would clip
+        the unsharded gradients, and return their total norm (see ``_clip_grad_utils``). Only on a
+        root, outside forward/backward and summon; every rank must call it (collectives)."""
+        _lazy_init(self)
+        if not self._is_root:
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance"
+            )
+        if self.training_state != TrainingState.IDLE:
+            raise RuntimeError(
+                f"clip_grad_norm_() called in state {self.training_state.name}; call it after "
+                "backward, outside summon_full_params"
+            )
+        return _clip_grad_norm(self, max_norm, norm_type)
 
     # -- unshard ----------------------------------------------------------------------------------
 
