@@ -1,4 +1,4 @@
-"""Models, wrap plans and helpers for the state-dict area (``state_dict.py``, ``state_dict_reshard.py``).
+"""Models, wrap plans and helpers for the state-dict checks (``state_dict/``; fsdp1/ and fuzz/ too).
 
 Every model is built from deterministic values (no seed needed, equal on every rank); ``salt``
 changes every value, so a "fresh model with different values" is the same class with another salt.

@@ -1,9 +1,9 @@
 """Area "training", flat-parameter half: FSDP1 trains like the same model trained in one process.
 
 [Note: the flat oracle]
-The oracle is the one of ``training.py`` (see its Note): every rank builds the same model, keeps an
-unwrapped copy and feeds it the whole global batch, while rank r feeds samples ``r*B .. (r+1)*B``
-to the wrapped model. For a flat parameter the rules become:
+The oracle is the one of ``_shared/oracle.py`` (see its Note): every rank builds the same model,
+keeps an unwrapped copy and feeds it the whole global batch, while rank r feeds samples
+``r*B .. (r+1)*B`` to the wrapped model. For a flat parameter the rules become:
 * rank r's loss == the oracle's loss on rank r's samples;
 * a unit's flat gradient (``flat_param.grad``) is rank r's padded chunk of the oracle's gradients
   of the unit's parameters, flattened in the unit's order and concatenated: elements
@@ -32,12 +32,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fully_shard.layout import flat_range
-from conformance.checks.fully_shard.mixed_precision import CASES as MP_CASES
-from conformance.checks.fully_shard.mixed_precision import _batch, observe_reduce_scatter
-from conformance.checks.fully_shard.mixed_precision import build as build_mp
-from conformance.checks.fully_shard.training import (
+from conformance.checks._shared.oracle import (
     FP32,
     MODELS,
     PLANS,
@@ -47,6 +42,11 @@ from conformance.checks.fully_shard.training import (
     make_optimizer,
     per_sample_loss,
 )
+from conformance.checks._shared.sd_models import full_params
+from conformance.checks.fully_shard.layout import flat_range
+from conformance.checks.fully_shard.mixed_precision import CASES as MP_CASES
+from conformance.checks.fully_shard.mixed_precision import _batch, observe_reduce_scatter
+from conformance.checks.fully_shard.mixed_precision import build as build_mp
 from conformance.registry import check
 
 FLAT_TRAINING = {base.TRAINING, base.FLAT_PARAM}

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_map_only
 
 from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.oracle import assert_close
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.training import assert_close
 from conformance.registry import check
 
 aten = torch.ops.aten

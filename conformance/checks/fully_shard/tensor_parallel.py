@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.oracle import assert_close
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.training import assert_close
 from conformance.registry import check
 
 DP = TP = 2

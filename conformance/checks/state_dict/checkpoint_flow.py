@@ -1,12 +1,12 @@
 """Area "state_dict": train, save, load into a fresh sharded model, train on (S20).
 
 [Note: the flow and its oracle]
-Every rank builds ``Net`` (``_sd_models``) with the same values and wraps it with ``NET_PLAN``
+Every rank builds ``Net`` (``_shared/sd_models.py``) with the same values and wraps it with ``NET_PLAN``
 (``inner`` and ``scale`` as their own units, so ranks past the last chunk of ``scale.weight`` (1,)
 and ``head.weight`` (1, 5) hold nothing at ws >= 2). The wrapped model takes 3 SGD steps (lr 0.1,
 no momentum, so the optimizer carries no state a model checkpoint would lose), rank r on its own
 batch; the *oracle*, an unwrapped copy on every rank, takes the same 3 steps on the global batch
-(``_sd_models.train``). The wrapped model's dict of the given kind is then loaded into a freshly
+(``sd_models.train``). The wrapped model's dict of the given kind is then loaded into a freshly
 built wrapped model whose every value differs (salt 1), and on every rank:
 * the loaded model's full parameters (reassembled from the layout view, never through the state-dict
   code) equal the oracle's, and its persistent buffers the saved ones (exactly);
@@ -14,7 +14,7 @@ built wrapped model whose every value differs (salt 1), and on every rank:
   on this rank's samples, and leaves the oracle's parameters.
 ``-to_cpu``: every tensor of the dict, a ShardedTensor's local shards included, is moved to the CPU
 before loading (on a CPU compute device that changes nothing, so those cases skip).
-Tolerances are ``training.FP32`` (the oracle sums in another order).
+Tolerances are ``oracle.FP32`` (the oracle sums in another order).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import (
     AREA,
     Net,
@@ -33,7 +34,6 @@ from conformance.checks._shared.sd_models import (
     require_kind,
     train,
 )
-from conformance.checks.fully_shard.training import FP32, assert_close
 from conformance.registry import Skip, check
 
 STEPS = 3

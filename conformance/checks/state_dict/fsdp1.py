@@ -1,6 +1,6 @@
 """Area "state_dict", FSDP1 depth: device meshes, modules FSDP does not manage, offload, load errors.
 
-Rules (the kinds themselves are in ``state_dict.py``'s Note):
+Rules (the kinds themselves are in ``kinds.py``'s Note):
 * S6 mesh: an FSDP1 model built with ``device_mesh`` saves SHARDED parameters as ``DTensor`` s
   placed ``(Shard(0),)`` on that mesh, holding the same rows a ShardedTensor would, and loads them
   back; LOCAL with a mesh is refused on save and on load with upstream's RuntimeError.
