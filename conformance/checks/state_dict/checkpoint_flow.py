@@ -1,10 +1,10 @@
 """Area "state_dict": train, save, load into a fresh sharded model, train on (S20).
 
 [Note: the flow and its oracle]
-Every rank builds ``Net`` (``_shared/sd_models.py``) with the same values and wraps it with ``NET_PLAN``
-(``inner`` and ``scale`` as their own units, so ranks past the last chunk of ``scale.weight`` (1,)
-and ``head.weight`` (1, 5) hold nothing at ws >= 2). The wrapped model takes 3 SGD steps (lr 0.1,
-no momentum, so the optimizer carries no state a model checkpoint would lose), rank r on its own
+Every rank builds ``Net`` (``_shared/sd_models.py``) with the same values and wraps it with
+``NET_PLAN`` (``inner`` and ``scale`` as their own units, so ranks past the last chunk of
+``scale.weight`` (1,) and ``head.weight`` (1, 5) hold nothing at ws >= 2). The wrapped model takes
+3 SGD steps (lr 0.1, no momentum, so the optimizer carries no state a model checkpoint would lose), rank r on its own
 batch; the *oracle*, an unwrapped copy on every rank, takes the same 3 steps on the global batch
 (``sd_models.train``). The wrapped model's dict of the given kind is then loaded into a freshly
 built wrapped model whose every value differs (salt 1), and on every rank:
