@@ -55,6 +55,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="selftest.json / selftest.md go here, each run's reports in "
         "selftest-ws<N>/ below it (default reports/)",
     )
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="run nothing: score the selected faults from the runs' reports already in "
+        "--reports-dir (selftest-ws<N>/conformance.json), e.g. after the rule changed or "
+        "when world sizes were run by separate invocations",
+    )
     parser.add_argument("--list", action="store_true", help="list the selected faults and exit")
     return parser.parse_known_args(argv)
 
@@ -126,6 +133,21 @@ def run_world_size(ws: int, faults: list, args, extra: list[str]) -> tuple[list[
     return json.loads(report.read_text())["cases"], ""
 
 
+def read_world_size(ws: int, faults: list, args, extra: list[str]) -> tuple[list[dict], str]:
+    """``--rescore``: the case records of an earlier world-size-``ws`` run, and a problem, if any."""
+    report = Path(args.reports_dir) / f"selftest-ws{ws}" / "conformance.json"
+    if not report.exists():
+        return [], f"no world-size-{ws} report to rescore: {report} (run without --rescore)"
+    data = json.loads(report.read_text())
+    cases = data["cases"]
+    args.rescored_wall = getattr(args, "rescored_wall", 0.0) + float(data.get("wall_time_s") or 0)
+    names = {f.adapter_name for f in faults}
+    absent = sorted(names - {c["impl"] for c in cases})
+    if absent:
+        return cases, f"{report} holds no case of {', '.join(absent)}"
+    return cases, ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
     faults = select(args.faults, args.fast)
@@ -162,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             by_ws.setdefault(w, []).append(f)
     records, problems = [], []
     for ws in sorted(by_ws):
-        cases, problem = run_world_size(ws, by_ws[ws], args, extra)
+        run = read_world_size if args.rescore else run_world_size
+        cases, problem = run(ws, by_ws[ws], args, extra)
         records += cases
         if problem:
             problems.append(problem)
@@ -173,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     controls = {f.impl for f in faults if plans.get(f.id)}
     control_fails = score.control_failures(records, controls)
     stats = score.summary(ordered)
-    wall = time.time() - started
+    # --rescore: the wall time is that of the runs scored
+    wall = getattr(args, "rescored_wall", None) or time.time() - started
     write_reports(Path(args.reports_dir), ordered, stats, control_fails, problems, wall, args)
     print()
     print("\n".join(score.table_lines(ordered)))
@@ -196,6 +220,7 @@ def write_reports(directory: Path, verdicts, stats, control_fails, problems, wal
             "fast": args.fast,
             "world_sizes": args.world_sizes,
             "checks": args.checks,
+            "rescored": args.rescore,
         },
         "faults": [v.as_dict() for v in verdicts],
         "control_failures": control_fails,

@@ -154,7 +154,15 @@ def test_not_run_summary_and_exit_code():
     caught = score.Verdict("a", "reference", "P6", "training", "d", [2], score.CAUGHT, ["x"])
     missed = score.Verdict("b", "reference", "P6", "training", "d", [2], score.MISSED)
     stats = score.summary([caught, missed, not_run])
-    assert stats == {"faults": 2, "caught": 1, "missed": 1, "broken": 0, "not_run": 1, "score": 0.5}
+    counts = {k: stats[k] for k in ("faults", "caught", "missed", "broken", "not_run", "score")}
+    assert counts == {
+        "faults": 2,
+        "caught": 1,
+        "missed": 1,
+        "broken": 0,
+        "not_run": 1,
+        "score": 0.5,
+    }
     assert score.exit_code([caught, not_run], []) == 0
     assert score.exit_code([caught, missed], []) == 1
     assert score.exit_code([caught], ["reference x::a[ws2]"]) == 1
@@ -186,6 +194,129 @@ def test_table_and_markdown_name_every_fault_and_result():
     assert lines[2].split()[-1] == "MISSED"
     md = score.markdown([caught, missed], score.summary([caught, missed]), [])
     assert "| `b` | torch-fsdp1 | S3 |" in md and "**MISSED**" in md and "clean" in md
+
+
+# ------------------------------------------------- a catch is a failure the fault caused (fuzz)
+FUZZ_CASE = "fuzz::train_parity[ws2]"
+
+
+def _fuzz_record(impl, outcome, drawn, settings="s1", **extra):
+    """A fuzz case record as the fuzz item writes it (see conformance.fuzz.item.ran_record)."""
+    fuzz = {"settings": settings, "drawn": list(drawn), "budget": 8, "failed": outcome == "fail"}
+    record = {**_record(impl, FUZZ_CASE, outcome), "area": "fuzz", "world_size": 2, "fuzz": fuzz}
+    return {**record, **extra}
+
+
+def test_fuzz_failure_on_examples_the_control_never_ran_is_not_a_catch():
+    """The fault fails a fuzz case on an example its control did not draw (say, the one upstream's
+    own bug fails on, steered around for the control only): the fault is invisible to the fuzz
+    area, and the old rule (same case id) would have credited it."""
+    control = _fuzz_record("reference", "pass", ["e1", "e2", "e3", "e4"])
+    other_examples = _fuzz_record(MINE, "fail", ["e1", "x2"])
+    verdict = score.judge(FAULT, [control, other_examples], [2])
+    assert verdict.status == score.MISSED and verdict.caught_by == []
+    assert verdict.old_caught_by == [FUZZ_CASE] and verdict.only_fuzz_before
+    assert "from #2 on" in verdict.withdrawn[FUZZ_CASE]
+
+    other_settings = _fuzz_record(MINE, "fail", ["e1"], settings="s2")  # other features/drops
+    verdict = score.judge(FAULT, [control, other_settings], [2])
+    assert verdict.status == score.MISSED and "other settings" in verdict.withdrawn[FUZZ_CASE]
+
+
+def test_fuzz_failure_on_the_controls_own_examples_is_a_catch():
+    control = _fuzz_record("reference", "pass", ["e1", "e2", "e3", "e4"])
+    for failed_at in range(1, 5):  # hypothesis stops drawing at the fault's first failure
+        fault = _fuzz_record(MINE, "fail", ["e1", "e2", "e3", "e4"][:failed_at])
+        verdict = score.judge(FAULT, [control, fault], [2])
+        assert verdict.status == score.CAUGHT and verdict.caught_by == [FUZZ_CASE], failed_at
+        assert verdict.withdrawn == {} and verdict.old_caught_by == [FUZZ_CASE]
+
+
+def test_fuzz_catch_needs_both_fingerprints_and_a_passing_control():
+    fault = _fuzz_record(MINE, "fail", ["e1"])
+    unrecorded = {k: v for k, v in _fuzz_record("reference", "pass", ["e1"]).items() if k != "fuzz"}
+    assert score.judge(FAULT, [unrecorded, fault], [2]).status == score.MISSED
+    xfail = _fuzz_record("reference", "xfail", ["e1"])
+    assert score.judge(FAULT, [xfail, fault], [2]).status == score.MISSED
+
+
+def test_ordinary_case_needs_the_same_world_size_and_options():
+    control = {**_record("reference", "x::a[ws2]", "pass"), "world_size": 2, "backend": "gloo"}
+    fault = {**_record(MINE, "x::a[ws2]", "fail"), "world_size": 2, "backend": "gloo"}
+    assert score.judge(FAULT, [control, fault], [2]).caught_by == ["x::a[ws2]"]
+    verdict = score.judge(FAULT, [{**control, "backend": "nccl"}, fault], [2])
+    assert verdict.status == score.MISSED and "backend" in verdict.withdrawn["x::a[ws2]"]
+
+
+def test_reports_list_the_catches_only_the_old_rule_credited():
+    control = _fuzz_record("reference", "pass", ["e1", "e2"])
+    records = [
+        control,
+        _fuzz_record(MINE, "fail", ["x1"]),
+        {**_record("reference", "t::a[ws2]", "pass"), "world_size": 2},
+        {**_record(MINE, "t::a[ws2]", "fail"), "world_size": 2},
+    ]
+    verdict = score.judge(FAULT, records, [2])
+    assert verdict.caught_by == ["t::a[ws2]"] and not verdict.only_fuzz_before
+    stats = score.summary([verdict])
+    assert stats["caught"] == 1 and stats["old_rule"]["withdrawn_catches"] == 1
+    assert "1 catch(es) of 1 fault(s) withdrawn" in score.score_line(stats)
+    table = "\n".join(score.table_lines([verdict]))
+    assert f"{FAULT.id}: 1 of 2" in table and FUZZ_CASE in table
+    md = score.markdown([verdict], stats, [])
+    withdrawn_section = md.split("## Catches the old rule credited")[1].split("## Faults whose")[0]
+    assert f"`{FAULT.id}`: 1 of 2 withdrawn" in withdrawn_section and FUZZ_CASE in md
+
+
+def test_fuzz_item_records_what_it_ran_and_one_count_story():
+    from conformance.fuzz import item
+
+    stats = {"drawn": ["a", "b", "c"], "not_supported": 1, "shrink_runs": 40, "first_failure": 1.0}
+    record = item.ran_record({"case": "x"}, stats, 8)
+    assert record["drawn"] == ["a", "b", "c"] and record["budget"] == 8 and record["failed"]
+    assert record["fingerprint"] != item.ran_record({"case": "y"}, stats, 8)["fingerprint"]
+    line = item.counts_line(stats, 8, 90.0)
+    assert line.startswith("example 3 of this case's budget of 8 failed")
+    assert "1 more drawn, not supported" in line and "shrinking ran 40 more" in line
+    assert "not shrunk" in item.counts_line(stats, 8, 0.0)
+
+
+def test_real_run_credits_a_fuzz_failure_only_on_the_controls_examples(tmp_path):
+    """One short ws-2 run: a reference fault the fuzz area sees (it draws the reference's
+    examples) is caught by ``fuzz::train_parity``; an upstream fault the fuzz area cannot see is
+    not, whether it drew examples its control never ran (and failed on upstream's own bug) or
+    drew the control's and passed."""
+    visible, invisible = "ref-rs-sum-not-avg", "t2-mp-casts-int-params"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "selftest",
+            "-k",
+            f"{visible},{invisible}",
+            "--world-sizes",
+            "2",
+            "--checks",
+            "fuzz and train_parity",
+            "--reports-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = tmp_path / "selftest.json"
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = {f["fault_id"]: f for f in json.loads(report.read_text())["faults"]}
+    assert verdicts[visible]["caught_by"] == [FUZZ_CASE], verdicts[visible]
+    assert verdicts[invisible]["caught_by"] == [], verdicts[invisible]
+    records = json.loads((tmp_path / "selftest-ws2" / "conformance.json").read_text())["cases"]
+    fuzz = {r["impl"]: r["fuzz"] for r in records}
+    assert fuzz["reference"]["drawn"][:1] == fuzz[f"fault-{visible}"]["drawn"][:1]
+    if FUZZ_CASE in verdicts[invisible]["old_caught_by"]:  # failed on examples of its own
+        assert "control" in verdicts[invisible]["withdrawn"][FUZZ_CASE]
 
 
 # ------------------------------------------------------------------- the fast subset, end to end
