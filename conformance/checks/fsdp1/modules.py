@@ -2,11 +2,12 @@
 
 [Note: a parent reading a wrapped child's parameter]
 ``nn.MultiheadAttention`` passes ``out_proj.weight`` and ``out_proj.bias`` to a functional call; it
-never calls ``out_proj``. With every module its own unit (``attn.out_proj``, then ``attn``, then the
-root: what ``always_wrap_policy`` builds), FSDP1 must still train the model as the single-process
-oracle of ``_shared/oracle.py`` does (every rank feeds the oracle the whole global batch and the
-wrapped model its own ``B`` samples): rank r's loss equals the oracle's loss on rank r's samples, and
-after each optimizer step every parameter (reassembled from the flat shards) equals the oracle's.
+never calls ``out_proj``. With every module its own unit (``attn.out_proj``, then ``attn``, then
+the root: what ``always_wrap_policy`` builds), FSDP1 must still train the model as the
+single-process oracle of ``_shared/oracle.py`` does (every rank feeds the oracle the whole global
+batch and the wrapped model its own ``B`` samples): rank r's loss equals the oracle's loss on rank
+r's samples, and after each optimizer step every parameter (reassembled from the flat shards)
+equals the oracle's.
 Upstream torch 2.13 trains it only at world size 1 with ``use_orig_params=True``, where the
 original parameters are full-shape views into the unsharded flat parameter between forwards.
 """

@@ -4,10 +4,10 @@
 Every rank builds ``Net`` (``_shared/sd_models.py``) with the same values and wraps it with
 ``NET_PLAN`` (``inner`` and ``scale`` as their own units, so ranks past the last chunk of
 ``scale.weight`` (1,) and ``head.weight`` (1, 5) hold nothing at ws >= 2). The wrapped model takes
-3 SGD steps (lr 0.1, no momentum, so the optimizer carries no state a model checkpoint would lose), rank r on its own
-batch; the *oracle*, an unwrapped copy on every rank, takes the same 3 steps on the global batch
-(``sd_models.train``). The wrapped model's dict of the given kind is then loaded into a freshly
-built wrapped model whose every value differs (salt 1), and on every rank:
+3 SGD steps (lr 0.1, no momentum, so the optimizer carries no state a model checkpoint would lose),
+rank r on its own batch; the *oracle*, an unwrapped copy on every rank, takes the same 3 steps on
+the global batch (``sd_models.train``). The wrapped model's dict of the given kind is then loaded
+into a freshly built wrapped model whose every value differs (salt 1), and on every rank:
 * the loaded model's full parameters (reassembled from the layout view, never through the state-dict
   code) equal the oracle's, and its persistent buffers the saved ones (exactly);
 * one more SGD step (fresh optimizers on both sides, ``train``'s first batch) has the oracle's loss
