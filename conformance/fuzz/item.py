@@ -83,6 +83,10 @@ class FuzzItem(CheckItem):
                 if example == stats["smallest"].example:  # shrink budget spent: keep that one
                     raise stats["smallest"]
                 return
+            if stats["first_failure"] is None:  # before the run: an example that crashes counts
+                stats["drawn"].append(digest(example))
+            else:
+                stats["shrink_runs"] += 1
             group = session.group(meta.world_size)
             results = group.run(
                 Task(meta.spec.path, meta.impl_spec, {**case_kwargs, "example": example}, timeout)
@@ -93,13 +97,12 @@ class FuzzItem(CheckItem):
                 stats["unsupported"] = next(
                     r.detail for r in results if r.status == protocol.NOT_SUPPORTED
                 )
-                if stats["first_failure"] is None:
+                if stats["first_failure"] is None:  # not run: not in the budget
+                    stats["drawn"].pop()
                     stats["not_supported"] += 1
+                else:
+                    stats["shrink_runs"] -= 1
                 reject()
-            if stats["first_failure"] is None:
-                stats["drawn"].append(digest(example))
-            else:
-                stats["shrink_runs"] += 1
             if any(r.status != protocol.OK for r in results):
                 failure = ExampleFailed(example, results)
                 if stats["first_failure"] is None:
