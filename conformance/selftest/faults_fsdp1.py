@@ -584,3 +584,61 @@ fault(
     f"{REF1}:FullyShardedDataParallel.clip_grad_norm_",
     "clip_grad_norm_ scales by max_norm / total even when that is above 1 (gradients grow)",
 )(_unclamped_clip)
+
+
+# ------------------------------------------------------------- class policies, subclasses (W17)
+def _exact_type_targets(original):
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        targets = original(self, root_module, ignored_modules, root_kwargs)
+        # the bug: type(m) in classes, so a subclass of a listed block is not wrapped
+        return {m: kw for m, kw in targets.items() if type(m) in set(self._module_classes)}
+
+    return _run_policy
+
+
+def _exact_type_callable(original):
+    def policy(module, module_classes, recurse, *args, **kwargs):
+        return recurse or type(module) in set(module_classes)  # the bug: exact type match
+
+    return policy
+
+
+def _torch_exact_type_callable(original):
+    def _module_wrap_policy(module, recurse, nonwrapped_numel, module_classes):
+        return recurse or type(module) in set(module_classes)  # the bug: exact type match
+
+    return _module_wrap_policy
+
+
+fault(
+    "w-module-policy-exact-type",
+    "reference-fsdp1",
+    "W17",
+    "wrap",
+    f"{WRAP}:ModuleWrapPolicy._run_policy",
+    "ModuleWrapPolicy wraps only modules whose type is exactly a listed class (not subclasses)",
+)(_exact_type_targets)
+fault(
+    "w-class-callable-exact-type",
+    "reference-fsdp1",
+    "W17",
+    "wrap",
+    f"{WRAP}:_wrap_module_cls_individually",
+    "transformer_auto_wrap_policy / ModuleWrapPolicy as a callable match the exact type only",
+)(_exact_type_callable)
+fault(
+    "tw-module-policy-exact-type",
+    "torch-fsdp1",
+    "W17",
+    "wrap",
+    f"{TORCH}:ModuleWrapPolicy._run_policy",
+    "upstream: ModuleWrapPolicy wraps only modules whose type is exactly a listed class",
+)(_exact_type_targets)
+fault(
+    "tw-class-callable-exact-type",
+    "torch-fsdp1",
+    "W17",
+    "wrap",
+    f"{TORCH}:_module_wrap_policy",
+    "upstream: transformer_auto_wrap_policy / ModuleWrapPolicy as a callable match the exact type",
+)(_torch_exact_type_callable)
