@@ -155,6 +155,7 @@ class ConformanceSession:
             ws: devices.choose(ws, self.options.device, self.options.backend)
             for ws in self.world_sizes
         }
+        self._check_impl_devices()
         try:
             self._load_expectations()
         except ValueError as exc:  # ExpectationsError, or a file that is not text
@@ -170,17 +171,34 @@ class ConformanceSession:
         self.rerun = reporting.rerun_options(opt, self.options)
         self._group = None
 
+    def _check_impl_devices(self) -> None:
+        """An adapter that declares ``devices`` (the device types it runs on) cannot run here
+        when a world size was placed on another device type: one line, before anything runs."""
+        for impl in self.impls.values():
+            wanted = getattr(impl, "devices", None)
+            wrong = {d for d, _ in self.placement.values()} - set(wanted or ())
+            if wanted is not None and wrong:
+                sizes = [ws for ws, (d, _) in self.placement.items() if d in wrong]
+                raise options.UsageError(
+                    "--device",
+                    f"implementation {impl.name} runs on {', '.join(sorted(wanted))} only "
+                    f"(its adapter's devices), but world size(s) {sizes} run on "
+                    f"{', '.join(sorted(wrong))}",
+                    f"pass --device {sorted(wanted)[0]} on a machine with enough of them (and "
+                    f"--world-sizes it can hold), or run {impl.name} elsewhere",
+                )
+
     def _load_expectations(self) -> None:
+        from conformance import deviations
+
         opt = self.config.option
         self.expect = {}
         exp_dir = Path(opt.expectations_dir)
         for impl in self.impls.values():
             for ws in self.world_sizes:
                 dev = self.placement[ws][0]
-                if (impl.name, dev) not in self.expect:
-                    self.expect[(impl.name, dev)] = expectations.load(
-                        getattr(impl, "expectations_name", impl.name), dev, exp_dir
-                    )
+                if (impl.name, dev) not in self.expect:  # its own entries and its bases'
+                    self.expect[(impl.name, dev)] = deviations.expectations_for(impl, dev, exp_dir)
 
     # ---------------------------------------------------------------- groups
     def group(self, world_size: int):
@@ -505,6 +523,11 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     if isinstance(item, CheckItem) and call.when == "call":
         rep.rank_results = [r.__dict__.copy() for r in item.rank_results]
+        if rep.failed and item.expectation is None and isinstance(rep.longrepr, str):
+            from conformance import deviations  # a known deviation of a base it does not inherit?
+
+            impl = _session(item.config).impls[item.meta.impl_spec]
+            rep.longrepr += deviations.inherit_hint(item.meta, impl, item.rank_results)
     return rep
 
 

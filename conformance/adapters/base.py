@@ -13,6 +13,18 @@ turns those checks red, which is the point.
 Optional API surfaces are capabilities too: ``fsdp1-runtime`` (:data:`FSDP1_RUNTIME`) says the
 FSDP1 root offers ``clip_grad_norm_`` and ``summon_full_params`` with upstream's options; a fork
 without them leaves it out and those checks report NotSupported.
+
+[Note: inherited deviations]
+What differs between implementations is declared data, never a branch on a name. Upstream torch
+has known deviations (bugs and limitations, each pinned by a hand-written check): they are listed
+in ``conformance/expectations/<name>[.<device>].txt`` and, for the fuzz area, as
+:class:`conformance.fuzz.Drop` s and :data:`conformance.fuzz.strategies.STEERS` naming the
+*deviation set* they belong to (``"torch-fsdp2"``). An adapter's ``inherits`` names the
+implementation whose deviation sets it takes, resolved transitively
+(:func:`conformance.adapters.registry.lineage`): a fork of upstream FSDP2 under its own name sets
+``inherits = "torch-fsdp2"`` and gets torch-fsdp2's expectation entries (per device too) and its
+fuzz drops and steers, on top of its own. The built-in upstream adapters are the roots
+(``torch-fsdp2``, ``torch-fsdp1``); the references inherit nothing.
 """
 
 from __future__ import annotations
@@ -88,6 +100,10 @@ class Implementation:
     name: ClassVar[str] = "unnamed"
     capabilities: ClassVar[frozenset[str]] = frozenset()
     description: ClassVar[str] = ""
+    # The implementation whose known deviations this one takes (see [Note: inherited deviations]).
+    inherits: ClassVar[str | None] = None
+    # Device types this implementation runs on (``{"cuda"}``); None: any. Checked at start.
+    devices: ClassVar[frozenset[str] | None] = None
 
     @property
     def version(self) -> str:
@@ -177,6 +193,7 @@ class NamespaceImplementation(Implementation):
         namespace: str = "torch.distributed.fsdp",
         name: str | None = None,
         version: str | None = None,
+        inherits: str | None = None,
     ):
         import importlib
 
@@ -184,6 +201,8 @@ class NamespaceImplementation(Implementation):
         self.ns = importlib.import_module(namespace)
         if name is not None:
             self.name = name
+        if inherits is not None:
+            self.inherits = inherits
         self._version = version
 
     @property

@@ -84,7 +84,79 @@ def _entry_points() -> dict:
 
 
 def load_implementation(spec: str) -> Implementation:
-    """Build the adapter for ``spec`` or raise :class:`ImplementationLoadError`."""
+    """Build the adapter for ``spec`` or raise :class:`ImplementationLoadError` (also when its
+    ``inherits`` chain cannot be resolved)."""
+    impl = _load(spec)
+    lineage(impl)
+    return impl
+
+
+# every adapter loaded in this process, by name: a base named by ``inherits`` may be one of them
+_LOADED: dict[str, Implementation] = {}
+# implementation name -> its lineage (see :func:`lineage`), for callers that hold only the name
+_LINEAGES: dict[str, tuple[str, ...]] = {}
+
+
+def parent_name(impl) -> str | None:
+    """The implementation ``impl`` inherits from: its ``inherits``, else (the self-test's alias,
+    kept while something uses it) an ``expectations_name`` other than its own name."""
+    parent = getattr(impl, "inherits", None)
+    if parent is None:
+        alias = getattr(impl, "expectations_name", None)
+        parent = alias if alias not in (None, impl.name) else None
+    return parent
+
+
+def lineage(impl) -> tuple[str, ...]:
+    """``impl``'s name followed by the names it inherits from, nearest first, resolved
+    transitively (``("acme-fsdp2", "torch-fsdp2")``): the deviation sets whose expectation entries,
+    fuzz drops and steers apply to it. A base is found among the built-ins, the entry points and
+    the adapters loaded before; one that cannot be found, or a cycle, raises
+    :class:`ImplementationLoadError` naming the chain."""
+    names = [impl.name]
+    current = impl
+    while (parent := parent_name(current)) is not None:
+        if not isinstance(parent, str) or not parent:
+            raise ImplementationLoadError(
+                f"implementation {current.name!r}: inherits={parent!r} is not an implementation "
+                f"name; set it to e.g. 'torch-fsdp2', or None to inherit nothing"
+            )
+        if parent in names:
+            raise ImplementationLoadError(
+                f"implementation {impl.name!r}: inherits forms a cycle "
+                f"({' -> '.join([*names, parent])}); one of them must inherit nothing"
+            )
+        names.append(parent)
+        current = _base(parent, names)
+    _LINEAGES[impl.name] = tuple(names)
+    return tuple(names)
+
+
+def lineage_of(name: str) -> tuple[str, ...]:
+    """The lineage of the implementation called ``name`` as loaded in this process (just
+    ``(name,)`` for one never loaded here)."""
+    return _LINEAGES.get(name, (name,))
+
+
+def _base(name: str, chain: list[str]) -> Implementation:
+    if name in _LOADED:
+        return _LOADED[name]
+    if name in BUILTINS or name in _entry_points():
+        try:
+            return _load(name)
+        except ImplementationLoadError as exc:
+            raise ImplementationLoadError(
+                f"{' -> '.join(chain)}: the base {name!r} cannot be loaded: {exc}"
+            ) from None
+    known = sorted(BUILTINS) + sorted(_entry_points())
+    raise ImplementationLoadError(
+        f"{' -> '.join(chain)}: no implementation named {name!r} to inherit from (known: "
+        f"{', '.join(known)}; or select it with --impl before the one that inherits it); fix "
+        f"`inherits` on {chain[-2]!r}'s adapter"
+    )
+
+
+def _load(spec: str) -> Implementation:
     try:
         if spec in BUILTINS:
             obj = BUILTINS[spec]()
@@ -115,6 +187,7 @@ def load_implementation(spec: str) -> Implementation:
             f"could not load implementation {spec!r}: {_cause(exc)}"
         ) from exc
     _validate(spec, obj)
+    _LOADED.setdefault(obj.name, obj)
     return obj
 
 
@@ -142,6 +215,19 @@ def _validate(spec: str, impl) -> None:
         if unknown:
             problems.append(
                 f"unknown capabilities {sorted(unknown)} (known: {sorted(ALL_CAPABILITIES)})"
+            )
+        inherits = getattr(impl, "inherits", None)
+        if inherits is not None and (not isinstance(inherits, str) or inherits == impl.name):
+            problems.append(
+                f"inherits={inherits!r}: name another implementation (e.g. 'torch-fsdp2'), or None"
+            )
+        devices = getattr(impl, "devices", None)
+        if devices is not None and (
+            isinstance(devices, str) or not all(isinstance(d, str) and d for d in devices)
+        ):
+            problems.append(
+                f"devices={devices!r}: give a set of device types, e.g. frozenset({{'cuda'}}), "
+                f"or None for any"
             )
     if problems:
         raise ImplementationLoadError(

@@ -14,32 +14,39 @@ share is lower (21-38%) because its mixed-precision examples draw no zero dims (
 Options drawn for one kind of check only: ``assign`` (FSDP2's own DTensor dict loaded with
 ``assign=True``: state_dict_round_trip[sharded]); an HSDP ``mesh`` (``HSDP_MESHES``: (1, 2) or
 (2, 1) at ws 2, (2, 2) at ws 4) and per-unit ``divide_factors`` from (1, ws, 3) (FSDP2 API:
-train_parity, whose oracle scales each unit's gradient by ws / f). Per-check, per-implementation
-drops (torch-fsdp2's divide factors, ...) are :class:`conformance.fuzz.Drop` s next to the checks.
+train_parity, whose oracle scales each unit's gradient by ws / f). Per-check drops for a
+deviation set (torch-fsdp2's divide factors, ...) are :class:`conformance.fuzz.Drop` s next to the
+checks.
 
 Known upstream limitations the examples steer around (each also covered, as an expected failure,
-by a hand-written check); the ones marked *torch only* are steered around only for the torch
-implementations (``UPSTREAM``), so the fuzz exercises them on the reference and on other forks:
-* *torch only*: torch 2.13's FSDP1 cannot wrap a unit whose parameters all have numel 0
-  (``layout::flat_param_*[*-zero-`` in expectations/torch-fsdp1.txt): torch-fsdp1's flat-parameter
-  units manage no parameters or some elements (reference-fsdp1 shards such units: measured with
-  examples holding them, every fuzz check passes at ws 2-3);
-* *torch only*: torch 2.13's FSDP2 cannot run backward through a unit that holds a parameter with
-  numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor`` in the
+by a hand-written check) are :data:`STEERS`: each names the deviation set it belongs to
+(``torch-fsdp2``, ``torch-fsdp1``) and applies to the implementations whose lineage holds it (the
+upstream built-ins and the forks that declare ``inherits``; see [Note: per-implementation drops]
+in :mod:`conformance.fuzz`), so the fuzz exercises them on the reference and on every other fork:
+* ``torch-fsdp1``: torch 2.13's FSDP1 cannot wrap a unit whose parameters all have numel 0
+  (``layout::flat_param_*[*-zero-`` in expectations/torch-fsdp1.txt): such implementations'
+  flat-parameter units manage no parameters or some elements (reference-fsdp1 shards such units:
+  measured with examples holding them, every fuzz check passes at ws 2-3);
+* ``torch-fsdp2``: torch 2.13's FSDP2 cannot run backward through a unit that holds a parameter
+  with numel 0, at any world size (``RuntimeError: _chunk_cat expects non-empty tensor`` in the
   reduce-scatter copy-in; found by this fuzzer; ``training::train_parity_zero_numel_param``):
   checks that train draw no zero dims for per-parameter layouts;
-* *torch only*: torch 2.13's FSDP2 fails (``IndexError`` in ``foreach_all_gather_copy_out``) when an
-  int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer;
+* ``torch-fsdp2``: torch 2.13's FSDP2 fails (``IndexError`` in ``foreach_all_gather_copy_out``)
+  when an int ``reshard_after_forward`` meets a ``Shard(d != 0)`` placement (found by this fuzzer;
   ``training::train_parity_raf_int_shard_dim1``): an example with placements draws only bool
   ``reshard_after_forward`` values;
-* *torch-fsdp1 only*: torch 2.13's FSDP1 SHARDED_STATE_DICT load raises ``ZeroDivisionError`` for
-  a module holding a zero-numel parameter (found by this fuzzer): torch-fsdp1's ``sharded``
-  state-dict case draws no zero dims (a :class:`conformance.fuzz.Drop` next to the check; the
-  per-check, per-implementation steers live there, the ones every check needs here);
-* FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy (W11), which
-  would split a tie and can leave a unit with only empty parameters: batch norms are never tied,
-  and (*torch only*, the empty-unit limitation above) torch-fsdp1's examples with mixed precision
-  have no zero dims;
+* ``torch-fsdp1``: FSDP1 wraps batch norms as their own units when mixed precision meets a wrap
+  policy (W11), which can leave a unit with only empty parameters (the empty-unit limitation
+  above): examples with mixed precision have no zero dims.
+
+Per-check steers are :class:`conformance.fuzz.Drop` s next to the checks
+(``conformance/checks/fuzz/drops.py``), e.g. torch-fsdp1's SHARDED_STATE_DICT load raises
+``ZeroDivisionError`` for a module holding a zero-numel parameter (found by this fuzzer), so its
+``sharded`` state-dict case draws no zero dims.
+
+Rules every example follows, for every implementation:
+* FSDP1 wraps batch norms as their own units when mixed precision meets a wrap policy (W11),
+  which would split a tie: batch norms are never tied;
 * ``load_state_dict(assign=True)`` gives every key its own new Parameter, the aliases of a tie
   too, so it unties them (nn.Module's rule, not FSDP's): an example with ties is never loaded with
   ``assign``;
@@ -52,9 +59,12 @@ implementations (``UPSTREAM``), so the fuzz exercises them on the reference and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hypothesis import strategies as st
 
 from conformance.adapters import base
+from conformance.fuzz import deviation_sets
 from conformance.fuzz import model as fm
 
 # check features: what a check's examples may contain beyond a model and a wrap plan
@@ -88,9 +98,77 @@ ALL_FEATURES = frozenset(
         DIVIDE_FACTOR,
     }
 )
-UPSTREAM = frozenset(
-    {"torch-fsdp2", "torch-fsdp1"}
-)  # the built-ins the *torch only* steers are for
+
+
+@dataclass(frozen=True)
+class Steer:
+    """A known limitation of the deviation set ``impls`` that :func:`examples` steers around for
+    every implementation whose lineage holds that set (see the module docstring). ``needs``: the
+    check features without which it cannot show; ``raises`` / ``match``: how it fails (exception
+    class names joined by ``|``, a regex searched in the message), so that a fork that does not
+    inherit the set and fails that way is told which deviation it met."""
+
+    name: str
+    impls: str
+    needs: frozenset
+    reason: str
+    raises: str = ""
+    match: str = ""
+
+
+# steer names (what examples() asks steers() for)
+NO_ZERO_BACKWARD = "no-zero-numel-backward"
+NO_INT_RAF_WITH_PLACEMENTS = "no-int-reshard-with-placements"
+NO_EMPTY_FLAT_UNITS = "no-units-of-only-empty-parameters"
+NO_ZERO_WITH_MP_FLAT = "no-zero-dims-with-flat-mixed-precision"
+_EMPTY_UNIT = "unsharded_start_idx: 0 unsharded_end_idx: -1"
+STEERS = (
+    Steer(
+        NO_ZERO_BACKWARD,
+        "torch-fsdp2",
+        frozenset({ZERO_SIZE, TRAINING}),
+        "torch 2.13's FSDP2 cannot run backward through a unit holding a numel-0 parameter "
+        "('_chunk_cat expects non-empty tensor'); pinned by training::train_parity_zero_numel_param",
+        raises="RuntimeError",
+        match="_chunk_cat expects non-empty tensor",
+    ),
+    Steer(
+        NO_INT_RAF_WITH_PLACEMENTS,
+        "torch-fsdp2",
+        frozenset({RESHARD, PLACEMENTS}),
+        "torch 2.13's FSDP2 fails (IndexError in foreach_all_gather_copy_out) when an int "
+        "reshard_after_forward meets a Shard(d != 0) placement; pinned by "
+        "training::train_parity_raf_int_shard_dim1",
+        raises="IndexError",
+    ),
+    Steer(
+        NO_EMPTY_FLAT_UNITS,
+        "torch-fsdp1",
+        frozenset({ZERO_SIZE}),
+        "torch 2.13's FSDP1 cannot wrap a unit whose parameters all have numel 0 (AssertionError "
+        f"'{_EMPTY_UNIT}'); pinned by layout::flat_param_*[*-zero- and "
+        "state_dict::local_empty_unit_round_trip",
+        raises="AssertionError",
+        match=_EMPTY_UNIT,
+    ),
+    Steer(
+        NO_ZERO_WITH_MP_FLAT,
+        "torch-fsdp1",
+        frozenset({ZERO_SIZE, MIXED_PRECISION}),
+        "with mixed precision and a wrap policy FSDP1 makes batch norms units of their own (W11), "
+        "which can leave a unit of only empty parameters, which torch 2.13's FSDP1 cannot wrap",
+        raises="AssertionError",
+        match=_EMPTY_UNIT,
+    ),
+)
+
+
+def steers(impl) -> frozenset[str]:
+    """The names of the :data:`STEERS` that apply to ``impl`` (an adapter, or the name of one
+    loaded in this process): those of the deviation sets in its lineage (its name and what it
+    ``inherits``)."""
+    sets = set(deviation_sets(impl))
+    return frozenset(s.name for s in STEERS if s.impls in sets)
 
 
 def dims(ws: int, zero: bool = False):
@@ -192,13 +270,10 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         mp = {"param_dtype": dtype, "reduce_dtype": draw(st.sampled_from([None, "float32"]))}
         if base.FLAT_PARAM in caps:
             mp["buffer_dtype"] = draw(st.sampled_from([None, dtype]))
-    upstream = impl.name in UPSTREAM
-    zero = ZERO_SIZE in features and not (  # see the module docstring
-        upstream
-        and (
-            (TRAINING in features and base.PER_PARAM_DIM0 in caps)
-            or (mp and base.FLAT_PARAM in caps)
-        )
+    steered = steers(impl)  # see the module docstring
+    zero = ZERO_SIZE in features and not (
+        (NO_ZERO_BACKWARD in steered and TRAINING in features and base.PER_PARAM_DIM0 in caps)
+        or (NO_ZERO_WITH_MP_FLAT in steered and mp and base.FLAT_PARAM in caps)
     )
     example = {
         "seed": draw(st.integers(0, 2**16)),
@@ -221,7 +296,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
     if base.AUTO_WRAP in caps:
         paths = [p for p in fm.module_paths(model) if not _splits_tie(p, example.get("ties", ()))]
         wrap = sorted(draw(st.sets(st.sampled_from(paths), max_size=4)) if paths else set())
-        if upstream and base.FLAT_PARAM in caps:  # see the module docstring
+        if NO_EMPTY_FLAT_UNITS in steered and base.FLAT_PARAM in caps:
             shapes = dict((n, p.shape) for n, p in model.named_parameters())
             empty = lambda fqns: fqns and not any(fm.numel(shapes[f]) for f in fqns)  # noqa: E731
             while True:  # a dropped unit's parameters go to its parent, which may become empty
@@ -276,7 +351,7 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
         and allows("reshard_after_forward")
     ):
         values = [True, False]
-        if not (upstream and example.get("placements")):  # see the module docstring
+        if not (NO_INT_RAF_WITH_PLACEMENTS in steered and example.get("placements")):
             values += [d for d in range(2, ws) if ws % d == 0]
         example["unit_options"] = {
             u: {"reshard_after_forward": draw(st.sampled_from(values))}

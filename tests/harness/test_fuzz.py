@@ -109,7 +109,7 @@ def test_drops_are_per_implementation_and_case():
     examples: the references are fuzzed on zero-numel parameters in SHARDED dicts and on ties in
     FULL dicts; only torch-fsdp1's SHARDED case loses zero sizes, and rank0_only (a FULL-dict
     option) is left out of every SHARDED case."""
-    from conformance.checks.fuzz.fuzz import state_dict_round_trip
+    from conformance.checks.fuzz.state_dict import state_dict_round_trip
 
     for impl in ("reference", "reference-fsdp1", "torch-fsdp2", "torch-fsdp1", "some-fork"):
         assert fs.TIES in _case_features(state_dict_round_trip, "full", impl)
@@ -122,7 +122,7 @@ def test_drops_are_per_implementation_and_case():
 def test_reference_examples_use_the_feature_upstream_drops():
     """The features a case keeps reach the examples: the reference-fsdp1 SHARDED case draws
     zero-numel parameters, torch-fsdp1's never does (400 derandomized examples each)."""
-    from conformance.checks.fuzz.fuzz import state_dict_round_trip
+    from conformance.checks.fuzz.state_dict import state_dict_round_trip
 
     for impl, expected in (("reference-fsdp1", True), ("torch-fsdp1", False)):
         features = _case_features(state_dict_round_trip, "sharded", impl)
@@ -163,7 +163,7 @@ def test_local_case_is_not_supported_without_drawing_examples(tmp_path):
     (case_requires), not after hypothesis has rejected example after example."""
     reports = tmp_path / "reports"
     run = _conformance(
-        "reference", 1, reports, "conformance/checks/fuzz/fuzz.py::state_dict_round_trip"
+        "reference", 1, reports, "conformance/checks/fuzz/state_dict.py::state_dict_round_trip"
     )
     assert run.returncode == 0, run.stdout[-3000:]
     cases = {c["id"]: c for c in json.loads((reports / "conformance.json").read_text())["cases"]}
@@ -226,7 +226,7 @@ def test_local_case_expects_each_units_flat_chunk():
 
     import torch
 
-    from conformance.checks.fuzz.fuzz import local_expected, state_dict_round_trip
+    from conformance.checks.fuzz.state_dict import local_expected, state_dict_round_trip
 
     example = {
         "seed": 0,
@@ -265,7 +265,7 @@ def test_assign_loads_drawn_for_fsdp2_sharded_dicts_only():
     """The sharded case of FSDP2-style implementations loads with ``assign=True`` in a good share
     of its examples, never for an example with ties (assign unties them) nor in the full and local
     cases or for FSDP1-style implementations."""
-    from conformance.checks.fuzz.fuzz import state_dict_round_trip
+    from conformance.checks.fuzz.state_dict import state_dict_round_trip
 
     for impl in ("reference", "torch-fsdp2"):
         features = _case_features(state_dict_round_trip, "sharded", impl)
@@ -283,7 +283,8 @@ def test_hsdp_meshes_and_divide_factors_reach_train_parity():
     """train_parity's examples put FSDP2-style implementations on (replicate, shard) meshes at ws 2
     and 4 (never at 1 or 3, never FSDP1), and the reference's set per-unit gradient divide factors
     from (1, ws, 3); torch-fsdp2's do not (its Drop), nor do the other fuzz checks."""
-    from conformance.checks.fuzz.fuzz import layout, state_dict_round_trip, train_parity
+    from conformance.checks.fuzz.fuzz import layout, train_parity
+    from conformance.checks.fuzz.state_dict import state_dict_round_trip
 
     for ws in (1, 2, 3, 4):
         for impl in ("reference", "torch-fsdp2", "reference-fsdp1"):
@@ -307,7 +308,7 @@ def test_hsdp_meshes_and_divide_factors_reach_train_parity():
 def test_divide_factor_scales_the_oracle_gradient_per_unit():
     """With a unit's divide factor f the sharded gradient is the ranks' SUM over f, i.e. ws / f times
     the oracle's mean-loss gradient, for the parameters that unit manages; others keep 1."""
-    from conformance.checks.fuzz.fuzz import grad_scales
+    from conformance.checks.fuzz._common import grad_scales
 
     example = {
         "seed": 0,

@@ -256,9 +256,12 @@ def _sharded_types():
 
 
 def assert_clean_keys(ctx, sd: dict) -> None:
+    """Every key is clean: the implementation's ``clean_fqn`` (which knows its wrappers' name
+    components, torch's by default) leaves it as it is."""
     for key in sd:
-        assert "_fsdp_wrapped_module" not in key and "_checkpoint_wrapped_module" not in key, (
-            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix"
+        clean = ctx.impl.clean_fqn(key)
+        assert clean == key, (
+            f"{ctx.where()} state-dict key {key!r} carries a wrapper prefix (clean: {clean!r})"
         )
 
 
