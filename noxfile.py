@@ -33,10 +33,13 @@ def install_torch(session: nox.Session) -> None:
 def conformance(session: nox.Session) -> None:
     """Run the conformance suite; arguments after ``--`` go to it (see ``python -m conformance --help``)."""
     install_torch(session)
-    # rerun lines in the reports then say "nox -s conformance -- ..." (conformance.reporting)
+    # The env var makes the reports' rerun lines say "nox -s conformance -- ..."
+    # (conformance.reporting). On Ctrl-C nox sends SIGTERM after interrupt_timeout seconds and
+    # SIGKILL soon after: give the suite time to stop its workers and write the partial reports.
     session.run(
-        "python", "-m", "conformance", *session.posargs, env={"FSDP_CONFORMANCE_LAUNCHER": "nox"}
-    )
+        "python", "-m", "conformance", *session.posargs,
+        env={"FSDP_CONFORMANCE_LAUNCHER": "nox"}, interrupt_timeout=60,
+    )  # fmt: skip
 
 
 @nox.session

@@ -168,7 +168,9 @@ class ConformanceSession:
         if self.options.reports_dir is not None:  # last: nothing is created for a bad run
             options.writable_dir("--reports-dir", self.options.reports_dir)
         self.run_dir: Path | None = None  # this run's reports (see reporting.start_run)
-        self.rerun = reporting.rerun_options(opt, self.options)
+        self.rerun = reporting.rerun_options(opt, self.options, list(self.impls))
+        self.selected: list[str] | None = None  # node ids of the cases to run, once collected
+        self.interrupted: str | None = None  # the signal's name when the run was interrupted
         self._group = None
 
     def _check_impl_devices(self) -> None:
@@ -356,11 +358,29 @@ def pytest_keyboard_interrupt(excinfo):
     kill_all_groups()  # at once: the workers may be stuck in a check
 
 
+def pytest_collection_finish(session):
+    if _SESSION_KEY in session.config.stash:
+        cs = _session(session.config)
+        cs.selected = [item.nodeid for item in session.items if item.nodeid in cs.meta]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """An interrupted run is known before the terminal summary and the reports are written."""
+    if _SESSION_KEY in session.config.stash and exitstatus == pytest.ExitCode.INTERRUPTED:
+        signum = _outcome.get("signal", signal.SIGINT)
+        _session(session.config).interrupted = signal.Signals(signum).name
+
+
 def pytest_unconfigure(config):
     if _SESSION_KEY in config.stash:
         session = _session(config)
         session.close_group()
-        if session.run_dir is not None:
+        if session.run_dir is None:
+            pass
+        elif session.interrupted:  # not a finished run: the top-level files stay as they are
+            reporting.keep_partial_run(session.run_dir)
+        else:
             reporting.publish_run(session.run_dir, session.options.reports_dir)
 
 
@@ -564,6 +584,20 @@ class _Recorder:
         if prev is not None and prev["outcome"] == "fail":
             return  # keep the first failure (e.g. a teardown error after a call failure)
         session.records[report.nodeid] = reporting.case_record(report, meta, outcome)
+
+
+def pytest_report_teststatus(report, config):
+    """A not-supported case is its own category in pytest's progress (``n``) and closing line
+    (``709 not-supported``), so that line counts what the matrix counts; ``skipped`` there is
+    every other skip, as in the matrix."""
+    if (
+        report.skipped
+        and _SESSION_KEY in config.stash
+        and report.nodeid in _session(config).meta
+        and report_outcome(report) == "not-supported"
+    ):
+        return "not-supported", "n", "NOT SUPPORTED"
+    return None
 
 
 def report_outcome(report) -> str | None:

@@ -13,11 +13,14 @@ skip           skipped for another reason (e.g. pytest's own skip)
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import platform
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -32,17 +35,42 @@ MESSAGE_LIMIT = 20000  # characters of a case's message kept in the reports
 RUNS_KEPT = 20  # per-run report directories kept under <reports>/runs/
 
 
+# [Note: rerun lines]
+# A case's repro command (and the report's "command") reruns it the way the run was started:
+# ``nox -s conformance -- ...`` when the conformance nox session started it (the session sets
+# LAUNCHER_ENV), else ``python -m conformance ...`` (also for ``python -m pytest -p
+# conformance.plugin``, which it is equivalent to). It carries the ``--impl`` spec as given, every
+# option that can change an outcome, ``FSDP_CONFORMANCE_TORCH`` / ``FSDP_CONFORMANCE_EXTRA_PIP`` under
+# nox (they mean nothing to ``python -m``), and ``PYTHONPATH=`` with the import path the plug-ins
+# needed (see import_paths). It is run from the directory the run started in (the checkout).
+
+LAUNCHER_ENV = "FSDP_CONFORMANCE_LAUNCHER"  # "nox": set by noxfile.py's conformance session
+NOX_ENV = ("FSDP_CONFORMANCE_TORCH", "FSDP_CONFORMANCE_EXTRA_PIP")
+
+
 @dataclass(frozen=True)
 class Rerun:
-    """What a case's repro command carries besides its implementation, world size and device:
-    environment assignments and options of the run that change outcomes."""
+    """How a case's repro command starts the suite besides its implementation, world size and
+    device (see [Note: rerun lines])."""
 
-    env: tuple[str, ...] = ()
-    options: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()  # assignments, e.g. "FSDP_CONFORMANCE_TORCH=torch==2.14.1"
+    options: tuple[str, ...] = ()  # options of the run that change outcomes
+    launcher: str = "python -m conformance"  # or "nox -s conformance --"
+    paths: tuple[str, ...] = ()  # sys.path entries the plug-ins need (PYTHONPATH of the command)
+
+    def command(self, args) -> str:
+        """``args`` (after the launcher) as one shell line with this run's environment."""
+        env = [f"PYTHONPATH={shlex.quote(os.pathsep.join(self.paths))}"] if self.paths else []
+        return " ".join([*env, *self.env, self.launcher, *(shlex.quote(a) for a in args)])
 
 
-def rerun_options(opt, validated) -> Rerun:
-    """The :class:`Rerun` of this run: every non-default option that can change an outcome."""
+def under_nox() -> bool:
+    return os.environ.get(LAUNCHER_ENV) == "nox"
+
+
+def rerun_options(opt, validated, specs=()) -> Rerun:
+    """The :class:`Rerun` of this run: the launcher, every non-default option that can change an
+    outcome, and the import path the implementations ``specs`` (already loaded) needed."""
     from conformance import expectations, options
 
     args: list[str] = []
@@ -59,22 +87,97 @@ def rerun_options(opt, validated) -> Rerun:
         args += ["--check-dir", directory]
     if opt.respawn_every_check:
         args.append("--respawn-every-check")
+    if getattr(opt, "fuzz_examples", None) is not None:
+        args += ["--fuzz-examples", str(opt.fuzz_examples)]
+    nox = under_nox()
     env = tuple(
-        f"{var}={shlex.quote(os.environ[var])}"
-        for var in ("FSDP_CONFORMANCE_TORCH", "FSDP_CONFORMANCE_EXTRA_PIP")
-        if os.environ.get(var)
+        f"{var}={shlex.quote(os.environ[var])}" for var in NOX_ENV if nox and os.environ.get(var)
     )
-    return Rerun(env, tuple(args))
+    launcher = "nox -s conformance --" if nox else "python -m conformance"
+    return Rerun(env, tuple(args), launcher, import_paths(specs))
+
+
+def import_paths(specs) -> tuple[str, ...]:
+    """The import path a rerun of implementations ``specs`` needs besides what a fresh interpreter
+    started in this directory has: every ``$PYTHONPATH`` entry, then the ``sys.path`` entry each
+    plug-in's module (``package.module:attr``, or an entry point's module and distribution) was
+    found in, when neither is this directory nor on a fresh interpreter's path (site-packages, a
+    ``.pth`` file's entries, the standard library)."""
+    from conformance.adapters.registry import BUILTINS, ENTRY_POINT_GROUP
+
+    roots: list[Path] = []
+    for spec in specs:
+        if spec in BUILTINS:
+            continue
+        eps = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        if spec in eps:
+            module = eps[spec].module
+            dist = getattr(eps[spec], "dist", None)
+            if dist is not None:
+                try:
+                    roots.append(Path(dist.locate_file("")))
+                except Exception:  # noqa: BLE001 - a distribution that cannot say where it is
+                    pass
+        elif ":" in spec:
+            module = spec.partition(":")[0]
+        else:
+            continue
+        root = _module_root(module)
+        if root is not None:
+            roots.append(root)
+    python_path = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not python_path and not roots:
+        return ()
+    skip = {Path.cwd().resolve(), *(Path(p).resolve() for p in _fresh_sys_path())}
+    paths: list[str] = []
+    for path in python_path + roots:
+        if path.resolve() not in skip and str(path.resolve()) not in paths:
+            paths.append(str(path.resolve()))
+    return tuple(paths)
+
+
+def _module_root(name: str) -> Path | None:
+    """The ``sys.path`` entry module ``name`` (imported) was found in."""
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return None
+    path = Path(origin).resolve()
+    if path.name.startswith("__init__."):
+        path = path.parent
+    return path.parents[len(name.split(".")) - 1]
+
+
+@functools.cache
+def _fresh_sys_path() -> tuple[str, ...]:
+    """``sys.path`` of a fresh interpreter of this Python without ``$PYTHONPATH`` (its first
+    entry, the script directory, left out)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-E", "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        return tuple(p for p in json.loads(out) if p)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return tuple(p for p in sys.path if p and "site-packages" in p)
 
 
 def repro_command(meta) -> str:
-    """One line that reruns just this case the way it ran."""
-    env = "".join(f"{assignment} " for assignment in meta.rerun.env)
-    args = [
-        "--impl", meta.impl_spec, "--world-sizes", str(meta.world_size),
-        "--device", meta.device, "--backend", meta.backend, *meta.rerun.options, meta.nodeid,
-    ]  # fmt: skip
-    return f"{env}nox -s conformance -- " + " ".join(shlex.quote(a) for a in args)
+    """One line that reruns just this case the way it ran (see [Note: rerun lines])."""
+    return meta.rerun.command(
+        [
+            "--impl",
+            meta.impl_spec,
+            "--world-sizes",
+            str(meta.world_size),
+            "--device",
+            meta.device,
+            "--backend",
+            meta.backend,
+            *meta.rerun.options,
+            meta.nodeid,
+        ]  # fmt: skip
+    )
 
 
 def _message(report, outcome: str) -> str:
@@ -196,11 +299,40 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
     if session.torchrun:
         spawns = "none (torchrun: checks ran in-process)"
     tr.write_line(f"wall time {wall:.1f} s; process groups spawned: {spawns or 'none'}")
-    if session.run_dir is not None:
-        reports = session.options.reports_dir
+    state = run_state(session)
+    reports = session.options.reports_dir
+    if state["interrupted"]:
+        tr.write_line(
+            interrupted_line(state) + "; the matrix above is partial", red=True, bold=True
+        )
+        if session.run_dir is not None:
+            tr.write_line(
+                f"partial reports: {session.run_dir}/conformance.{{json,md,xml}} (marked "
+                f"interrupted); {reports}/conformance.* still hold the latest finished run"
+            )
+    elif session.run_dir is not None:
         tr.write_line(
             f"reports: {reports}/conformance.{{json,md,xml}} (this run: {session.run_dir})"
         )
+
+
+def run_state(session) -> dict:
+    """Whether the run was interrupted (and by which signal) and how many of its selected cases
+    ran: ``cases_not_run`` is None when the run stopped before its cases were known."""
+    selected = session.selected
+    return {
+        "interrupted": session.interrupted is not None,
+        "signal": session.interrupted,
+        "cases_run": len(session.records),
+        "cases_not_run": None if selected is None else len(set(selected) - set(session.records)),
+    }
+
+
+def interrupted_line(state: dict) -> str:
+    not_run = state["cases_not_run"]
+    return f"INTERRUPTED by {state['signal']}: {state['cases_run']} case(s) ran, " + (
+        "the others were never collected" if not_run is None else f"{not_run} did not run"
+    )
 
 
 def _environment(session, wall: float) -> dict:
@@ -228,14 +360,16 @@ def _environment(session, wall: float) -> dict:
             for spec, impl in session.impls.items()
         ],
         "process_group_spawns": {str(k): v for k, v in session.spawns.items()},
-        "command": _command_line(),
+        "command": _command_line(session.rerun),
+        **run_state(session),
     }
 
 
-def _command_line() -> str:
+def _command_line(rerun: Rerun) -> str:
+    """The run's command line, started as it was (see [Note: rerun lines])."""
     argv = list(sys.argv)
     if argv and argv[0].endswith(("conformance/__main__.py", "conformance\\__main__.py")):
-        argv = ["python", "-m", "conformance", *argv[1:]]
+        return rerun.command(argv[1:])
     return " ".join(shlex.quote(a) for a in argv)
 
 
@@ -258,7 +392,8 @@ def write_files(session, wall: float, stale, directory: Path) -> None:
 # Each run writes into its own directory, <reports>/runs/<UTC time>-<pid>/ (created at start, with a
 # ".running" file naming the driver's pid), and at its end copies its files to <reports>/ itself:
 # the top-level conformance.{json,md,xml} are always the latest finished run's, and a run never
-# overwrites another run's files. Every file is written to a temporary name and renamed into place,
+# overwrites another run's files. An interrupted run (Ctrl-C, SIGTERM) is not finished: its partial
+# reports, marked interrupted, stay in its own directory only (see keep_partial_run). Every file is written to a temporary name and renamed into place,
 # so a reader never sees half a file. A run that starts while another one is writing into the same
 # directory says so. The newest RUNS_KEPT run directories are kept.
 
@@ -290,6 +425,16 @@ def publish_run(run_dir: Path, reports_dir: Path) -> None:
     """Copy the run's report files to ``reports_dir`` (atomically) and prune old run directories."""
     for path in sorted(run_dir.glob("conformance.*")):
         write_atomic(reports_dir / path.name, path.read_text())
+    _end_run(run_dir)
+
+
+def keep_partial_run(run_dir: Path) -> None:
+    """End an interrupted run: its reports stay in ``run_dir``; the top-level files are left
+    alone (they are the latest *finished* run's)."""
+    _end_run(run_dir)
+
+
+def _end_run(run_dir: Path) -> None:
     (run_dir / ".running").unlink(missing_ok=True)
     finished = sorted(d for d in run_dir.parent.iterdir() if not (d / ".running").exists())
     for old in finished[:-RUNS_KEPT]:
@@ -301,9 +446,10 @@ def markdown(env: dict, records: list[dict], stale) -> str:
     placement = ", ".join(
         f"ws{ws} {p['device']}/{p['backend']}" for ws, p in env["placement"].items()
     )
-    out = [
-        "# FSDP conformance report",
-        "",
+    out = ["# FSDP conformance report", ""]
+    if env["interrupted"]:
+        out += [f"**{interrupted_line(env)}. This report is partial.**", ""]
+    out += [
         f"- created: {env['created']}, wall time {env['wall_time_s']} s",
         f"- torch {env['torch']}, Python {env['python']}, {env['platform']}",
         f"- implementations: {impls}",

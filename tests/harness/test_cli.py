@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,21 @@ def test_entry_point_plugin_of_an_installed_distribution(tmp_path):
     report = json.loads((tmp_path / "r" / "conformance.json").read_text())
     ran = [(c["check"], c["impl"], c["outcome"]) for c in report["cases"]]
     assert ran and all(impl == "fake" and outcome == "pass" for _, impl, outcome in ran), ran
+    # the rerun line carries the distribution's directory (ROOT, the directory the run started
+    # in, needs none) and reruns the case in an environment without PYTHONPATH
+    repro = report["cases"][0]["repro"]
+    assert repro.startswith(
+        f"PYTHONPATH={(tmp_path / 'site').resolve()} python -m conformance --impl fake-vendor "
+    ), repro
+    assert report["command"].startswith(f"PYTHONPATH={(tmp_path / 'site').resolve()} python -m")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    again = subprocess.run(
+        ["bash", "-c", f"{repro} --reports-dir {tmp_path / 'r2'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    (case,) = json.loads((tmp_path / "r2" / "conformance.json").read_text())["cases"]
+    assert (case["id"], case["impl"], case["outcome"]) == (report["cases"][0]["id"], "fake", "pass")
 
 
 def test_expectation_without_reason_is_rejected(tmp_path):
@@ -163,12 +179,31 @@ def test_stale_entry_warned_and_reports_written(selftest_run):
         assert (tmp / "reports" / name).stat().st_size > 0
     assert report["implementations"][0]["name"] == "fake"
     assert report["torch"] and report["wall_time_s"] > 0 and report["world_sizes"] == [2]
-    for case in cases.values():
+    for case in cases.values():  # a python -m run is rerun with python -m (not nox)
         assert case["repro"].startswith(
-            "nox -s conformance -- --impl tests.harness.fake_impl:FakeImpl"
-        )
+            "python -m conformance --impl tests.harness.fake_impl:FakeImpl"
+        ), case["repro"]
         assert case["nodeid"] in case["repro"]
     assert "FSDP conformance matrix" in proc.stdout and "selftest" in proc.stdout
+    assert report["interrupted"] is False and report["signal"] is None
+    assert (report["cases_run"], report["cases_not_run"]) == (len(cases), 0)
+
+
+PYTEST_WORDS = {"passed": "pass", "failed": "fail", "xfailed": "xfail", "skipped": "skip"}
+
+
+def test_pytest_closing_line_counts_what_the_matrix_counts(selftest_run):
+    """pytest's last line and the matrix's total tell one story: not-supported cases are their
+    own count in both (pytest's "skipped" is only the other skips)."""
+    proc, report, _, _, _ = selftest_run
+    lines = proc.stdout.splitlines()
+    total = next(ln for ln in lines if ln.startswith("total: "))
+    matrix = {o: int(n) for n, o in (part.split() for part in total[7:].split(", "))}
+    closing = re.search(r"=+ (.*) in [\d.]+s", lines[-1]).group(1)
+    counts = dict(part.split(" ", 1)[::-1] for part in closing.split(", "))
+    pytest_counts = {PYTEST_WORDS.get(k, k): int(v) for k, v in counts.items() if k != "deselected"}
+    assert pytest_counts == matrix, (lines[-1], total)
+    assert matrix["not-supported"] == 1 and report["summary"]["not-supported"] == 1
 
 
 def _processes_with_marker(marker: str) -> list[int]:
@@ -216,7 +251,8 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out  # 128 + SIGINT (README, "Exit codes and signals")
-    assert (tmp_path / "r" / "conformance.json").exists(), out  # the reports are written
+    (run,) = (tmp_path / "r" / "runs").iterdir()  # the partial reports are written there
+    assert json.loads((run / "conformance.json").read_text())["interrupted"] is True, out
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _processes_with_marker(marker):
         time.sleep(0.5)

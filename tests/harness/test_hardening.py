@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,7 +138,8 @@ def test_collect_only_writes_no_reports(tmp_path):
 
 
 def test_reports_keep_every_run_and_the_cause_of_a_long_message(tmp_path):
-    env = {"FSDP_CONFORMANCE_TORCH": "torch==9.9.9"}
+    # as the conformance nox session starts it: the rerun line says nox and carries its variables
+    env = {"FSDP_CONFORMANCE_TORCH": "torch==9.9.9", "FSDP_CONFORMANCE_LAUNCHER": "nox"}
     exp = tmp_path / "exp"
     exp.mkdir()
     first = run_conformance(
@@ -215,8 +217,56 @@ def test_sigterm_ends_the_run_like_ctrl_c_and_writes_the_reports(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
-    assert (tmp_path / "r" / "conformance.json").exists(), out
+    (run,) = (tmp_path / "r" / "runs").iterdir()
+    doc = json.loads((run / "conformance.json").read_text())
+    assert (doc["interrupted"], doc["signal"], doc["cases_run"]) == (True, "SIGTERM", 0), out
+    assert doc["cases_not_run"] == 1 and "INTERRUPTED by SIGTERM" in out
+    assert not (tmp_path / "r" / "conformance.json").exists()  # no finished run yet
     assert _wait_for(lambda: not _processes_with_marker(marker), 15), "processes left after SIGTERM"
+
+
+def test_an_interrupted_run_is_marked_and_is_not_the_latest_finished_run(tmp_path):
+    """Ctrl-C after some cases: the run's own reports say interrupted, with the cases run and not
+    run (JSON, md, terminal); the top-level files stay the previous finished run's."""
+    reports = tmp_path / "r"
+    finished = run_conformance(
+        *FAKE_ON_SELFCHECKS, "--world-sizes", "2", "-k", "selftest and passes",
+        "--reports-dir", str(reports),
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    names = ("conformance.json", "conformance.md", "conformance.xml")
+    before = {name: (reports / name).read_bytes() for name in names}
+    (first,) = (reports / "runs").iterdir()
+
+    proc, marker = _start(
+        tmp_path, *FAKE_ON_SELFCHECKS, "--world-sizes", "2", "-s",
+        "-k", "selftest and (passes or fails_on_rank1 or needs_hsdp or sleeps)",
+    )  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    # "sleeps", the last of the four, prints this once its workers are in it: three cases ran
+    assert _wait_for(lambda: any("selftest-sleeping" in ln for ln in output), 120), output
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    out = "".join(output)
+    assert proc.returncode == 128 + signal.SIGINT, out
+
+    (run,) = [d for d in (reports / "runs").iterdir() if d != first]
+    doc = json.loads((run / "conformance.json").read_text())
+    assert (doc["interrupted"], doc["signal"]) == (True, "SIGINT"), out
+    assert (doc["cases_run"], doc["cases_not_run"]) == (3, 1), out
+    outcomes = sorted(c["outcome"] for c in doc["cases"])
+    assert outcomes == ["fail", "not-supported", "pass"], outcomes  # what ran, as it ran
+    assert "INTERRUPTED by SIGINT: 3 case(s) ran, 1 did not run" in out, out
+    assert (
+        "INTERRUPTED by SIGINT: 3 case(s) ran, 1 did not run"
+        in ((run / "conformance.md").read_text().splitlines()[2])
+    )
+    assert not (run / ".running").exists()
+    after = {name: (reports / name).read_bytes() for name in names}
+    assert after == before  # still the latest *finished* run
 
 
 def test_sigkill_of_the_driver_takes_the_workers_and_the_save_job_with_it(tmp_path):
