@@ -26,6 +26,11 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return min(index * step, size), min((index + 1) * step, size)
 
 
+def flat_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    """(start, end, chunk) of the elements of a flat buffer of ``numel`` that ``rank`` holds."""
+    return (*chunk_range(numel, world_size, rank), chunk_size(numel, world_size))
+
+
 def chunk_of(full: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     """Chunk ``index`` of ``full`` split into ``parts`` along ``dim`` (a view; possibly empty)."""
     start, end = chunk_range(full.shape[dim], parts, index)

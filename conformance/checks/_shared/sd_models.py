@@ -15,7 +15,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
-from conformance.checks.fully_shard.layout import dim0_rows
+from conformance.checks._shared.rows import chunk_range
 
 
 def small_values(shape, salt: int, index: int = 0, dtype=torch.float32) -> torch.Tensor:
@@ -287,7 +287,7 @@ def assert_entry(ctx, name: str, got, exp: torch.Tensor, *, full: bool, exact: b
         assert got.dtype == exp.dtype, f"{ctx.where()} {name}: dtype {got.dtype} != {exp.dtype}"
         same(got, exp, "value")
         return
-    start, end = dim0_rows(exp.shape[0], ctx.world_size, ctx.rank) if exp.dim() else (0, 1)
+    start, end = chunk_range(exp.shape[0], ctx.world_size, ctx.rank) if exp.dim() else (0, 1)
     if isinstance(got, ShardedTensor):
         size = tuple(got.metadata().size)
         assert size == tuple(exp.shape), (

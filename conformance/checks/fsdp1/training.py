@@ -42,8 +42,8 @@ from conformance.checks._shared.oracle import (
     make_optimizer,
     per_sample_loss,
 )
+from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fully_shard.layout import flat_range
 from conformance.checks.fully_shard.mixed_precision import CASES as MP_CASES
 from conformance.checks.fully_shard.mixed_precision import _batch, observe_reduce_scatter
 from conformance.checks.fully_shard.mixed_precision import build as build_mp

@@ -20,15 +20,10 @@ import torch
 
 from conformance.adapters import base
 from conformance.checks._shared.models import ParamBag
-from conformance.checks._shared.rows import chunk_range, chunk_size
+from conformance.checks._shared.rows import chunk_range, chunk_size, flat_range
 from conformance.registry import check
 
 dim0_rows = chunk_range  # rows [start, end) of a dim0-long parameter that a rank holds
-
-
-def flat_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
-    """(start, end, chunk) of the flat elements ``rank`` holds."""
-    return (*chunk_range(numel, world_size, rank), chunk_size(numel, world_size))
 
 
 # dim-0 relations to the world size; each becomes a case for 1-D, 2-D and 3-D parameters

@@ -13,8 +13,8 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
+from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fully_shard.layout import flat_range
 from conformance.checks.fuzz._common import (
     NO_TRAINING,
     _kind,

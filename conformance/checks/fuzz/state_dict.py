@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from conformance.adapters import base
-from conformance.checks._shared.rows import chunk_size
+from conformance.checks._shared.rows import chunk_size, flat_range
 from conformance.checks._shared.sd_models import assert_entry, broadcast_from_rank0
-from conformance.checks.fully_shard.layout import flat_range
 from conformance.checks.fuzz._common import (
     _kind,
     assert_per_param_layout,

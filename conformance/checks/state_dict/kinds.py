@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from conformance.adapters import base
+from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import (
     AREA,
     KIND_CASES,
@@ -49,7 +50,6 @@ from conformance.checks._shared.sd_models import (
     require_kind,
     train,
 )
-from conformance.checks.fully_shard.layout import flat_range
 from conformance.registry import check
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
+from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import (
     AREA,
     NET_PLAN,
@@ -42,7 +43,6 @@ from conformance.checks._shared.sd_models import (
     full_kind,
     plain_reference,
 )
-from conformance.checks.fully_shard.layout import flat_range
 from conformance.registry import check
 
 _PREFIX = "fsdp-conformance-sd-"
