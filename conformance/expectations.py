@@ -18,7 +18,15 @@ One entry per line::
     exception's message; for ``timeout``/``died`` the stack dump or exit reason). It may contain
     spaces; write a ``/`` inside it as ``\\/``.
 
-  A case matches the entry when at least one failed rank matches every token given. A listed case
+  - ``torch<op><version>[,...]``: a **version marker**; the entry applies only when the running
+    torch is in that range (``torch<2.14``, ``torch>=2.12,<2.14``, ``torch==2.14.*``; operators
+    ``== != < <= > >=``, ``.*`` with ``==`` / ``!=``; only the release numbers count, so
+    ``2.14.0a0+git..`` is 2.14.0; see :mod:`conformance.versions`). An entry whose marker excludes
+    the running torch is left out: it neither matches a case nor is reported stale. Two entries
+    for one case with disjoint markers pin how it fails on each side of a torch change.
+
+  A case matches the entry when at least one failed rank matches every token given (the version
+  marker is not part of the signature: an entry with only a marker is unpinned). A listed case
   that fails any other way is a plain failure whose message names the entry and says what did not
   match. An entry without a signature (allowed in your own files, never in the shipped ones)
   matches any failure and is reported as *unpinned*.
@@ -30,6 +38,7 @@ that is not UTF-8 text, or a line that cannot be read as an entry, stops the run
 usage error naming ``file:line``.
 
     layout::per_param_dim0_layout[ws*-2d-zero-numel raises=AssertionError match=/0 rows/  torch keeps no rows (pytorch#NNN)
+    wrap::some_check[ws*-x torch>=2.14 raises=AssertionError match=/warned/  2.14 warns here
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conformance import versions
 from conformance.runner import protocol
 
 DEFAULT_DIR = Path(__file__).parent / "expectations"
@@ -102,6 +112,7 @@ class Entry:
     source: str  # file:line
     raises: tuple[str, ...] = ()  # exception class names, TIMEOUT, DIED; () = any
     match: re.Pattern | None = None
+    torch: versions.TorchSpec | None = None  # the version marker; None: every torch
     matched: int = 0
 
     def matches(self, case_id: str) -> bool:
@@ -112,12 +123,19 @@ class Entry:
     def pinned(self) -> bool:
         return bool(self.raises) or self.match is not None
 
+    def applies(self, torch_version: str) -> bool:
+        """Whether the version marker (if any) admits ``torch_version``."""
+        return self.torch is None or self.torch.contains(torch_version)
+
     def signature(self) -> str:
-        """The entry's signature as written (``unpinned`` when it has none)."""
-        parts = [f"raises={'|'.join(self.raises)}"] if self.raises else []
+        """The entry's signature as written (``unpinned`` when it has none), with its marker."""
+        parts = [str(self.torch)] if self.torch is not None else []
+        parts += [f"raises={'|'.join(self.raises)}"] if self.raises else []
         if self.match is not None:
             parts.append(f"match=/{self.match.pattern}/")
-        return " ".join(parts) or "unpinned: matches any failure"
+        if not self.pinned:
+            parts.append("unpinned: matches any failure")
+        return " ".join(parts)
 
     def _why_not(self, failure: Failure) -> str | None:
         if self.raises and not any(
@@ -143,7 +161,8 @@ class Entry:
 
 @dataclass
 class Expectations:
-    entries: list[Entry] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)  # those that apply to the running torch
+    other_torch: list[Entry] = field(default_factory=list)  # left out by their version marker
 
     def match(self, case_id: str) -> Entry | None:
         """The longest listed prefix of ``case_id``."""
@@ -154,12 +173,27 @@ class Expectations:
         return best
 
 
-def _signature(rest: str, where: str) -> tuple[tuple[str, ...], re.Pattern | None, str]:
-    """Read the ``raises=`` / ``match=`` tokens at the start of ``rest``; return them and the reason."""
-    raises, match = (), None
+_MARKER = re.compile(r"torch(?:[=!<>~]|\s*$)")
+
+
+def _signature(rest: str, where: str):
+    """Read the ``raises=`` / ``match=`` / ``torch<op>...`` tokens at the start of ``rest``;
+    return ``(raises, match, torch marker, reason)``."""
+    raises, match, marker = (), None, None
     rest = rest.lstrip()
     while True:
-        if rest.startswith("raises="):
+        if _MARKER.match(rest):
+            token, _, rest = rest.partition(" ")
+            if marker is not None:
+                raise ExpectationsError(
+                    f"{where}: two torch version markers; join the clauses with ',' in one, "
+                    f"e.g. torch>=2.12,<2.14"
+                )
+            try:
+                marker = versions.parse_spec(token)
+            except versions.VersionSpecError as exc:
+                raise ExpectationsError(f"{where}: {exc}") from None
+        elif rest.startswith("raises="):
             token, _, rest = rest[len("raises=") :].partition(" ")
             names = tuple(token.split("|"))
             bad = [n for n in names if not _EXC_NAME.fullmatch(n)]
@@ -194,7 +228,7 @@ def _signature(rest: str, where: str) -> tuple[tuple[str, ...], re.Pattern | Non
                 f"{where}: {rest.split()[0]!r}: write raises=<ExceptionName> or match=/<regex>/"
             )
         else:
-            return raises, match, rest.strip()
+            return raises, match, marker, rest.strip()
         rest = rest.lstrip()
 
 
@@ -215,13 +249,14 @@ def parse(text: str, source: str) -> list[Entry]:
                 f"{where}: {prefix!r} is not a case-id prefix: write '<area>::<check>[ws<N>-<case>' "
                 f"('*' matches anything, e.g. '*::' for every case), then the reason"
             )
-        raises, match, reason = _signature(rest, where)
+        raises, match, marker, reason = _signature(rest, where)
         if not reason:
             raise ExpectationsError(
                 f"{where}: entry {prefix!r} has no reason; write "
-                f"'<case-id prefix> [raises=<Exception>] [match=/<regex>/] <why it is expected to fail>'"
+                f"'<case-id prefix> [torch<op><version>] [raises=<Exception>] [match=/<regex>/] "
+                f"<why it is expected to fail>'"
             )
-        entries.append(Entry(prefix, reason, where, raises, match))
+        entries.append(Entry(prefix, reason, where, raises, match, marker))
     return entries
 
 
@@ -239,10 +274,20 @@ def read(path: Path) -> list[Entry]:
     return parse(text, str(path))
 
 
-def load(impl_name: str, device: str, directory: Path = DEFAULT_DIR) -> Expectations:
-    """Entries of ``<impl>.txt`` and ``<impl>.<device>.txt`` (both optional)."""
+def load(
+    impl_name: str, device: str, directory: Path = DEFAULT_DIR, torch_version: str | None = None
+) -> Expectations:
+    """Entries of ``<impl>.txt`` and ``<impl>.<device>.txt`` (both optional) that apply to
+    ``torch_version`` (default: the installed torch's)."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
     entries = []
     for path in (directory / f"{impl_name}.txt", directory / f"{impl_name}.{device}.txt"):
         if path.exists():
             entries += read(path)
-    return Expectations(entries)
+    return Expectations(
+        [e for e in entries if e.applies(torch_version)],
+        [e for e in entries if not e.applies(torch_version)],
+    )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import devices, expectations, options, reporting
+from conformance import devices, expectations, options, reporting, versions
 from conformance.adapters.registry import (
     ENV_VAR,
     ImplementationLoadError,
@@ -329,6 +329,11 @@ def pytest_configure(config):
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - read by the terminal reporter, made next
         return
     warning = options.oversubscription_warning(session.world_sizes, session.placement)
+    if warning:
+        sys.stderr.write(warning + "\n")
+    import torch
+
+    warning = versions.support_warning(torch.__version__)  # a torch outside the supported range
     if warning:
         sys.stderr.write(warning + "\n")
     if session.options.reports_dir is not None:  # not --collect-only

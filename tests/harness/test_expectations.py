@@ -90,6 +90,11 @@ def test_entry_syntax_and_matching():
         ("selftest::passes match=/no end reason", "needs a closing '/'"),
         ("selftest::passes raises=Not-A-Name reason", "give exception class names"),
         ("selftest::passes raise=RuntimeError reason", "write raises=<ExceptionName>"),
+        ("selftest::passes torch<2.x reason", "'<2.x' is not <op><version>"),
+        ("selftest::passes torch~=2.14 reason", "'~=2.14' is not <op><version>"),
+        ("selftest::passes torch>=2.14.* reason", "'.*' goes with == or != only"),
+        ("selftest::passes torch<3 torch>1 reason", "two torch version markers"),
+        ("selftest::passes torch>=2.14", "has no reason"),
     ],
 )
 def test_garbage_line_is_a_usage_error_naming_file_and_line(tmp_path, line, says):
@@ -177,6 +182,69 @@ def test_pattern_not_found_is_a_failure_and_a_death_can_be_expected(tmp_path):
     wrong = cases["fails_on_rank1"]
     assert wrong["outcome"] == "fail" and "pattern /got 2/ not found" in wrong["message"], wrong
     assert cases["exits_on_rank1"]["outcome"] == "xfail", cases["exits_on_rank1"]
+
+
+def test_version_marker_syntax_and_which_torch_it_admits():
+    older, newer, wildcard, both, word = expectations.parse(
+        "a::b torch<2.14 raises=AssertionError match=/x y/  fixed in 2.14\n"
+        "a::b raises=UserWarning torch>=2.14 match=/warns/  2.14 warns\n"
+        "a::c torch==2.14.*  only 2.14.x\n"
+        "a::d torch>=2.12,!=2.13.0 raises=E  two clauses\n"
+        "a::e raises=E torch keeps no rows (not a marker: no operator)\n",
+        "f.txt",
+    )
+    assert str(older.torch) == "torch<2.14" and older.raises == ("AssertionError",)
+    assert older.match.pattern == "x y" and older.reason == "fixed in 2.14"
+    assert newer.raises == ("UserWarning",) and newer.match.pattern == "warns"
+    assert not wildcard.pinned and "torch==2.14.* unpinned" in wildcard.signature()
+    assert word.torch is None and word.reason == "torch keeps no rows (not a marker: no operator)"
+    admits = {
+        v: [e.applies(v) for e in (older, newer, wildcard, both, word)]
+        for v in ("2.12.1", "2.13.0+cpu", "2.14.0a0+git0abc", "2.14.1", "2.15.0.dev20260101")
+    }
+    assert admits == {
+        "2.12.1": [True, False, False, True, True],
+        "2.13.0+cpu": [True, False, False, False, True],  # local part ignored
+        "2.14.0a0+git0abc": [False, True, True, True, True],  # a 2.14 pre-release counts as 2.14
+        "2.14.1": [False, True, True, True, True],
+        "2.15.0.dev20260101": [False, True, False, True, True],
+    }
+
+
+def test_load_leaves_out_entries_for_another_torch(tmp_path):
+    (tmp_path / "impl.txt").write_text(
+        "a::b torch<2.14 raises=E  before\na::b torch>=2.14 raises=F  after\na::c raises=G  any\n"
+    )
+    (tmp_path / "impl.cpu.txt").write_text("a::d torch==2.13.* raises=H  cpu, 2.13 only\n")
+    old = expectations.load("impl", "cpu", tmp_path, torch_version="2.13.0+cpu")
+    new = expectations.load("impl", "cpu", tmp_path, torch_version="2.14.1")
+    assert [e.raises for e in old.entries] == [("E",), ("G",), ("H",)]
+    assert [e.raises for e in new.entries] == [("F",), ("G",)]
+    assert [e.raises for e in new.other_torch] == [("E",), ("H",)]
+    assert old.match("a::b[ws2]").raises == ("E",) and new.match("a::b[ws2]").raises == ("F",)
+
+
+def test_entry_for_another_torch_neither_matches_nor_is_stale(tmp_path):
+    """A marker that excludes the running torch takes the entry out of the run; the entry for the
+    running torch (the opposite marker) pins the case. The excluded stale-looking entry is quiet."""
+    proc, cases = _run(
+        tmp_path,
+        [
+            "selftest::fails_on_rank1 torch<1.0 raises=KeyError  this torch is not below 1.0",
+            "selftest::fails_on_rank1 torch>=1.0 raises=AssertionError match=/expected 0, got 1/  "
+            "fails on purpose",
+            "selftest::exits_on_rank1 raises=died  exits on purpose",
+            "selftest::no_such_check torch<1.0 raises=KeyError  for a torch that is not running",
+            "selftest::passes torch<1.0  would fail the run if it applied (the case passes)",
+        ],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert cases["fails_on_rank1"]["outcome"] == "xfail", cases["fails_on_rank1"]
+    assert "torch>=1.0 raises=AssertionError" in cases["fails_on_rank1"]["message"]
+    assert cases["passes"]["outcome"] == "pass"
+    report = json.loads((tmp_path / "r" / "conformance.json").read_text())
+    assert report["stale_expectations"] == [], report["stale_expectations"]
+    assert "no_such_check" not in proc.stdout + proc.stderr
 
 
 def test_every_shipped_entry_is_pinned():
