@@ -69,6 +69,55 @@ ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
 )
 
+# What declaring each capability promises (the README's "Capabilities" table is generated from
+# this and from the checks that need each one: ``python -m conformance.capabilities --write``).
+PROMISES = {
+    PER_PARAM_DIM0: "every parameter is sharded on its own along dim 0: rank r holds rows "
+    "[r*ceil(d0/ws), (r+1)*ceil(d0/ws)) (FSDP2's layout); `local_shards` returns them",
+    FLAT_PARAM: "each unit's parameters are flattened in registration order into one 1-D flat "
+    "parameter padded to a multiple of ws; rank r holds elements [r*ceil(N/ws), ...) (FSDP1's "
+    "layout); `flat_shards`, `flat_grads` and `local_shards` expose it",
+    PADDED_STORAGE: "`ShardView.padded` is the rank's padded local storage; its padding is zero",
+    DTENSOR_PARAMS: "sharded parameters are registered as DTensors on the mesh (`full_tensor()` "
+    "gathers them)",
+    SHARD_PLACEMENT_FN: "`shard(shard_placement_fn=fn)`: `fn(param)` returns `Shard(d)` (any "
+    "d) or None (dim 0), as upstream's `fully_shard`",
+    RESHARD_AFTER_FORWARD: "`shard(reshard_after_forward=...)` (True, False or an int) and the same per "
+    "unit in a plan, with upstream's post-forward states",
+    MIXED_PRECISION: "`shard(mixed_precision=dict(param_dtype=, reduce_dtype=, buffer_dtype=))`: "
+    "compute in param_dtype, reduce gradients in reduce_dtype, keep fp32 shards",
+    CPU_OFFLOAD: "`shard(cpu_offload=True)`: the sharded parameters (and their gradients) live "
+    "on the CPU; training is unchanged",
+    HSDP: "`shard(mesh=<2-D DeviceMesh (replicate, shard)>)`: shard within a row, replicate "
+    "across rows",
+    EXTENSIONS: "tensor subclasses' `fsdp_pre_all_gather` / `fsdp_post_all_gather` are called "
+    "around the all-gather, as upstream FSDP2 does",
+    TENSOR_PARALLEL: "parameters that are already DTensors (tensor parallel on a 2-D mesh) are "
+    "sharded on the data-parallel dim and train as upstream's FSDP2 + TP",
+    FULL_STATE_DICT: "`state_dict(m, 'full', rank0_only=, offload_to_cpu=)` / "
+    "`load_state_dict(..., 'full')`: full plain tensors under clean keys (FSDP1 FULL_STATE_DICT)",
+    SHARDED_STATE_DICT: "`state_dict(m, 'sharded', offload_to_cpu=)` and its load: per "
+    "parameter a ShardedTensor or DTensor of this rank's dim-0 chunk (FSDP1 SHARDED_STATE_DICT)",
+    LOCAL_STATE_DICT: "`state_dict(m, 'local')` and its load: per unit `<prefix>._flat_param`, a "
+    "1-D ShardedTensor of the unpadded flat shard (FSDP1 LOCAL_STATE_DICT)",
+    DTENSOR_STATE_DICT: "kinds 'dtensor' (`module.state_dict()`: the sharded DTensors), "
+    "'dcp-full' and 'dcp-sharded' (torch.distributed.checkpoint.state_dict helpers, "
+    "`cpu_offload=`) and their loads",
+    AUTO_WRAP: "`shard(plan=[(module_fqn, kwargs), ...])` shards each planned module as its own "
+    "unit, children first, with that unit's kwargs",
+    TRAINING: "forward, backward and optimizer steps of the sharded model equal the unsharded "
+    "model's on the global batch (gradients averaged over the ranks)",
+    FSDP2_API: "the adapter's `ns` is a module with upstream's `fully_shard`, `FSDPModule` "
+    "(unshard, reshard, set_* methods), `MixedPrecisionPolicy`, `CPUOffloadPolicy`, with "
+    "upstream's semantics: checks call them directly",
+    FSDP1_API: "the adapter's `ns` is a module with upstream's `FullyShardedDataParallel` "
+    "(`state_dict_type`), `StateDictType`, the state-dict configs, `MixedPrecision`, "
+    "`ShardingStrategy` and `ns.wrap` (policies; `build_wrap_plan` if it has one): checks call "
+    "them directly",
+    FSDP1_RUNTIME: "the FSDP1 root's `clip_grad_norm_(max_norm, norm_type)` and "
+    "`FullyShardedDataParallel.summon_full_params(...)` with upstream's options",
+}
+
 
 class NotSupported(Exception):
     """Raised (by a check or an adapter) when a needed capability is not declared/implemented."""
