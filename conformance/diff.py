@@ -2,21 +2,28 @@
 
 Cases are matched by (implementation, case id). Listed, in this order:
 
-* **new failures**: ``fail`` now, anything else before (or not there before);
-* **fixed**: ``pass`` now, ``fail`` or ``xfail`` before;
+* **new failures**: ``fail`` now, anything else before (or not there before), except an XPASS;
+* **fixed**: ``fail`` or ``xfail`` before, and now ``pass`` or an **XPASS** (a listed expected
+  failure that passed, which fails the run: its message starts with ``[XPASS``). An XPASS is
+  an upstream fix (or a fork's) to record: remove the entry, or limit it to the torch versions
+  that still fail (``torch<2.14``, see conformance/expectations.py); the change names the entry;
 * **new expected failures**: ``xfail`` now, anything else before;
 * **other changes**: any other change of outcome (e.g. ``pass`` -> ``not-supported``);
 * **appeared** / **vanished**: cases only in the new / only in the old report (with their outcome);
 * version changes: torch, Python, and every implementation's version string.
 
 Output is plain text, or markdown with ``--markdown``; ``--output PATH`` also writes it to a file.
-Exit status: 1 when there is at least one new failure, 2 when a report cannot be read, else 0.
+In the lists an XPASS reads ``xpass``; ``pass -> xpass`` (an entry added for a case that passes) and
+``xpass -> pass`` (its entry removed) are other changes.
+Exit status: 1 when there is at least one new failure, 2 when a report cannot be read, else 0 (a
+fix alone is not a new failure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +48,7 @@ class Change:
     case_id: str
     old: str | None  # outcome before (None: not in the old report)
     new: str | None
-    message: str = ""  # the new failure's message (first line), for new failures
+    message: str = ""  # new failures: the message's first line; XPASS fixes: the entry
 
 
 @dataclass
@@ -75,6 +82,26 @@ def _first_line(message: str) -> str:
     return (errors[-1] if errors else lines[0] if lines else "")[:200]
 
 
+XPASS = "xpass"  # a case's outcome in the lists when it failed as an expected failure that passed
+_XPASS = re.compile(
+    r"\[XPASS[^\]]*\] (?P<reason>.*?)(?: \[(?P<source>[^;\]]+)(?:;[^\]]*)?\])?\s*$", re.S
+)
+
+
+def _outcome(case: dict) -> str:
+    """The case's outcome, with a strict XPASS (recorded as ``fail``) told apart as ``xpass``."""
+    if case["outcome"] == "fail" and _XPASS.match(case.get("message") or ""):
+        return XPASS
+    return case["outcome"]
+
+
+def _xpass_note(case: dict) -> str:
+    found = _XPASS.match(case.get("message") or "")
+    where = f" in {found['source']}" if found and found["source"] else ""
+    reason = found["reason"].strip()[:120] if found else ""
+    return f"expected failure passed: entry{where} ({reason}); remove it or limit it to the torch that still fails"
+
+
 def _versions(old: dict, new: dict) -> list[tuple[str, str, str]]:
     out = [
         (key, str(old.get(key)), str(new.get(key)))
@@ -102,9 +129,11 @@ def compare(old: dict, new: dict) -> Diff:
     after = {key(c): c for c in new["cases"]}
     diff = Diff(versions=_versions(old, new))
     for k in sorted(set(before) | set(after)):
-        was = before[k]["outcome"] if k in before else None
-        now = after[k]["outcome"] if k in after else None
+        was = _outcome(before[k]) if k in before else None
+        now = _outcome(after[k]) if k in after else None
         change = Change(k[0], k[1], was, now)
+        if now == XPASS:
+            change.message = _xpass_note(after[k])
         if now == "fail" and was != "fail":
             change.message = _first_line(after[k].get("message", ""))
             diff.new_failures.append(change)
@@ -114,7 +143,7 @@ def compare(old: dict, new: dict) -> Diff:
             diff.appeared.append(change)
         elif was == now:
             diff.unchanged += 1
-        elif now == "pass" and was in ("fail", "xfail"):
+        elif now in ("pass", XPASS) and was in ("fail", "xfail"):
             diff.fixed.append(change)
         elif now == "xfail":
             diff.new_xfails.append(change)

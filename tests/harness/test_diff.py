@@ -41,6 +41,11 @@ def report(cases, torch="2.13.0", versions=None) -> dict:
     }
 
 
+# how a strict XPASS (a listed expected failure that passed) is recorded: outcome "fail"
+XPASS_MESSAGE = (
+    "[XPASS(strict)] FSDP1 FULL offload_to_cpu keeps GPU tensors "
+    "[conformance/expectations/torch-fsdp1.txt:12; raises=AssertionError match=/on cpu/]"
+)
 OLD = report(
     [
         case("layout::a[ws2]", "pass"),
@@ -48,6 +53,8 @@ OLD = report(
         case("layout::c[ws2]", "pass"),
         case("layout::d[ws2]", "pass"),
         case("layout::e[ws2]", "xfail"),
+        case("layout::f[ws2]", "xfail"),
+        case("layout::g[ws2]", "pass"),
         case("layout::gone[ws2]", "pass"),
         case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
     ]
@@ -63,6 +70,8 @@ NEW = report(
         case("layout::c[ws2]", "xfail"),
         case("layout::d[ws2]", "not-supported"),
         case("layout::e[ws2]", "pass"),
+        case("layout::f[ws2]", "fail", message=XPASS_MESSAGE),
+        case("layout::g[ws2]", "fail", message=XPASS_MESSAGE),
         case("layout::new[ws2]", "fail"),
         case("layout::a[ws2]", "pass", impl="torch-fsdp2"),
     ],
@@ -84,9 +93,14 @@ def test_compare_sorts_every_kind_of_change():
     assert ids(d.fixed) == [
         ("reference", "layout::b[ws2]", "fail", "pass"),
         ("reference", "layout::e[ws2]", "xfail", "pass"),
+        ("reference", "layout::f[ws2]", "xfail", "xpass"),  # an expected failure now passes
     ]
+    assert "entry in conformance/expectations/torch-fsdp1.txt:12" in d.fixed[2].message
     assert ids(d.new_xfails) == [("reference", "layout::c[ws2]", "pass", "xfail")]
-    assert ids(d.changed) == [("reference", "layout::d[ws2]", "pass", "not-supported")]
+    assert ids(d.changed) == [
+        ("reference", "layout::d[ws2]", "pass", "not-supported"),
+        ("reference", "layout::g[ws2]", "pass", "xpass"),  # an entry for a case that passed
+    ]
     assert ids(d.vanished) == [("reference", "layout::gone[ws2]", "pass", None)]
     assert d.appeared == []  # a new case that fails is listed once, as a new failure
     assert d.unchanged == 1  # torch-fsdp2's layout::a: the same case id on another implementation
@@ -129,8 +143,21 @@ def test_cli_text_and_exit_status_one_on_new_failures(tmp_path):
     out = proc.stdout
     assert "New failures (2):" in out and "layout::a[ws2] on reference: pass -> fail" in out
     assert (
-        "Fixed (2):" in out and "Vanished (1):" in out and "version torch: 2.13.0 -> 2.14.0" in out
+        "Fixed (3):" in out and "Vanished (1):" in out and "version torch: 2.13.0 -> 2.14.0" in out
     )
+    assert "layout::f[ws2] on reference: xfail -> xpass (expected failure passed" in out
+
+
+def test_cli_xpass_alone_is_a_fix_and_exits_zero(tmp_path):
+    old = report([case("strict::x[ws2]", "xfail"), case("strict::y[ws2]", "xfail")])
+    new = report(
+        [case("strict::x[ws2]", "fail", message=XPASS_MESSAGE), case("strict::y[ws2]", "xfail")],
+        torch="2.14.1",
+    )
+    proc = _run(tmp_path, old, new)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "New failures" not in proc.stdout and "Fixed (1):" in proc.stdout, proc.stdout
+    assert "0 new failures, 1 fixed" in proc.stdout
 
 
 def test_cli_markdown_to_file_and_exit_zero_without_new_failures(tmp_path):
