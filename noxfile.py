@@ -47,6 +47,7 @@ def tests(session: nox.Session) -> None:
     """The project's own tests, a conformance smoke run (every built-in, world sizes 1-3) and the
     perf suite in quick mode (correctness only)."""
     install_torch(session)
+    session.install(MUTATION_ENGINE)  # tests/harness/test_mutation.py runs a tiny campaign
     session.run("python", "-m", "pytest", "tests", *session.posargs)
     session.run(
         "python",
@@ -100,6 +101,24 @@ def perf(session: nox.Session) -> None:
         "median,iqr,min,max,rounds",
         *session.posargs,
     )
+
+
+# the mutation engine (its operators and mutate_code; see conformance/mutation/): installed only
+# where a campaign runs, like matplotlib in perf
+MUTATION_ENGINE = "cosmic-ray==8.7.0"
+
+
+@nox.session
+def mutation(session: nox.Session) -> None:
+    """A sampled mutation campaign on ``reference/`` (``conformance/mutation/``): cosmic-ray's
+    operators mutate a private copy of the tree, the cases that execute each mutated statement run
+    against it. Resumable (rerun the same command), shardable (``--shard i/n`` then ``--merge``).
+    Writes ``reports/mutation.json`` / ``.md`` / ``mutation-gaps.md``. Arguments after ``--`` go to
+    ``python -m conformance.mutation`` (``--sample``, ``--seed``, ``--shard``, ``--files``,
+    ``--checks``, ``--world-sizes``, ``--ids``, ``--merge``; see its ``--help``)."""
+    install_torch(session)
+    session.install(MUTATION_ENGINE)
+    session.run("python", "-m", "conformance.mutation", *session.posargs)
 
 
 LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]

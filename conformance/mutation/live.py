@@ -1,0 +1,228 @@
+"""Many mutants in one conformance run: a mutant applied by swapping one function's code.
+
+[Note: live mutants]
+Starting a conformance run costs far more than the cases a mutant needs (python and torch
+imports, collection, a gloo group per world size: 20-50 s on a loaded 2-core machine, against
+about 0.1 s per case). So the campaign runs a *batch* of mutants in one run, on one set of
+persistent process groups, each mutant as an implementation of its own, ``mutant-<n>``:
+
+* :class:`MutantAdapter` is the built-in adapter it mutates (``reference`` or
+  ``reference-fsdp1``) under that name, inheriting its expectations; its ``patched`` (entered by
+  the runner around every check on every rank) replaces ``__code__`` of the one function whose
+  body holds the mutated line with the code compiled from cosmic-ray's mutated source, and puts
+  the original back when the check ends. Objects, closures and imports elsewhere keep pointing at
+  the same function object, so the swap is seen everywhere, and nothing survives the check.
+* Only a mutant inside a function body can be applied that way. One at module or class level, in
+  a decorator or a default (run at import) is judged in a fresh run with the file rewritten
+  (:func:`conformance.mutation.run.judge`). So is a mutant whose swap is refused on a rank (the
+  function was not found, or its free variables changed): the rank raises an error marked
+  :data:`NOT_APPLIED`, which the campaign never counts as a kill.
+* The batch plugin (this module, ``-p conformance.mutation.live``) keeps each mutant's cases
+  together, fastest first, and skips a mutant's remaining cases once one failed (``-x`` per
+  mutant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import types
+
+from conformance.adapters.base import Implementation
+
+BATCH_ENV = "FSDP_MUTATION_BATCH"  # path of the batch file (JSON, see run.live_batch)
+NOT_APPLIED = "MUTANT-NOT-APPLIED"
+
+
+def _batch() -> dict:
+    with open(os.environ[BATCH_ENV]) as f:
+        return json.load(f)
+
+
+def _qualname(code) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # Python 3.10: names only (see Note)
+
+
+def _code_objects(code: types.CodeType, found: dict) -> None:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.setdefault(_qualname(const), []).append(const)
+            _code_objects(const, found)
+
+
+def _live_functions(module) -> list[types.FunctionType]:
+    """The function objects defined in ``module``'s file that its namespace reaches: module
+    functions, methods, properties, static/class methods, through decorators' ``__wrapped__``."""
+    out, seen = [], set()
+
+    def add(obj):
+        for _ in range(5):
+            ours = (
+                isinstance(obj, types.FunctionType) and obj.__code__.co_filename == module.__file__
+            )
+            if ours and id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+            wrapped = getattr(obj, "__wrapped__", None)
+            if wrapped is None:
+                return
+            obj = wrapped
+
+    def visit(namespace, depth):
+        for value in list(namespace.values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                add(value.__func__)
+            elif isinstance(value, property):
+                for f in (value.fget, value.fset, value.fdel):
+                    add(f)
+            elif isinstance(value, type):
+                if value.__module__ == module.__name__ and depth < 4:
+                    visit(vars(value), depth + 1)
+            else:
+                add(value)
+
+    visit(vars(module), 0)
+    return out
+
+
+def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.FunctionType, object]]:
+    """``(function, mutated code)`` for the function(s) of ``module`` whose body holds ``line``
+    (the innermost, when one function's range holds another's). Raises ``RuntimeError``
+    (marked :data:`NOT_APPLIED`) when the mutant cannot be applied by a swap."""
+    new_codes: dict[str, list] = {}
+    _code_objects(compile(mutated_source, module.__file__, "exec"), new_codes)
+    for codes in new_codes.values():
+        codes.sort(key=lambda c: c.co_firstlineno)
+    functions = _live_functions(module)
+    holders = []
+    for fn in functions:
+        lines = [ln for _, _, ln in fn.__code__.co_lines() if ln is not None]
+        if lines and fn.__code__.co_firstlineno <= line <= max(lines):
+            holders.append((max(lines) - fn.__code__.co_firstlineno, fn))
+    if not holders:
+        raise RuntimeError(f"{NOT_APPLIED}: no function of {module.__name__} holds line {line}")
+    _, target = min(holders, key=lambda h: h[0])
+    same_name = sorted(
+        (f for f in functions if _qualname(f.__code__) == _qualname(target.__code__)),
+        key=lambda f: f.__code__.co_firstlineno,
+    )
+    candidates = new_codes.get(_qualname(target.__code__), [])
+    if len(candidates) != len(same_name):
+        raise RuntimeError(f"{NOT_APPLIED}: {target.__qualname__} not found in the mutant")
+    code = candidates[same_name.index(target)]
+    if code.co_freevars != target.__code__.co_freevars:
+        raise RuntimeError(f"{NOT_APPLIED}: {target.__qualname__}'s free variables changed")
+    return [(target, code)]
+
+
+class MutantAdapter(Implementation):
+    """The mutated built-in's adapter, renamed, with the mutant swapped in around each check."""
+
+    def __init__(self, name: str, entry: dict):
+        from conformance.adapters.registry import load_implementation
+
+        self.entry = entry
+        self.inner = load_implementation(entry["impl"])
+        self.name = name
+        self.inherits = self.inner.name
+        self.expectations_name = getattr(self.inner, "expectations_name", self.inner.name)
+        self.capabilities = self.inner.capabilities
+        self.description = entry["id"]
+        self._plan = None
+
+    @property
+    def version(self) -> str:
+        return f"{self.inner.version}, mutant {self.entry['id']}"
+
+    @contextlib.contextmanager
+    def patched(self):
+        if self._plan is None:
+            module = importlib.import_module(self.entry["module"])
+            self._plan = plan_swap(module, self.entry["source"], self.entry["line"])
+        originals = [fn.__code__ for fn, _ in self._plan]
+        try:
+            for fn, code in self._plan:
+                fn.__code__ = code
+            yield
+        finally:
+            for (fn, _), code in zip(self._plan, originals):
+                fn.__code__ = code
+
+    def __getattr__(self, name: str):
+        if name in ("inner", "entry"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name, _value in vars(Implementation).items():
+    if callable(_value) and not _name.startswith("_") and _name != "patched":
+        setattr(MutantAdapter, _name, _delegate(_name))
+
+
+def __getattr__(name: str):
+    """``m<n>``: a zero-argument factory of the batch's adapter ``n`` (for ``--impl``)."""
+    if re.fullmatch(r"m\d+", name):
+
+        def factory():
+            entry = _batch()["adapters"][name]
+            return MutantAdapter(f"mutant-{name[1:]}", entry)
+
+        return factory
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- the driver side: the batch plugin (``-p conformance.mutation.live``) ---------------------
+
+_IMPL = re.compile(r"\[mutant-(\d+)-ws(\d+)")
+_killed: set[str] = set()
+
+
+def _wanted() -> dict[str, int]:
+    return {nodeid: i for i, nodeid in enumerate(_batch()["order"])}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not os.environ.get(BATCH_ENV):
+        return
+    wanted = _wanted()
+    keep = [it for it in items if it.nodeid in wanted]
+    dropped = [it for it in items if it.nodeid not in wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    # world size first (one group spawn each), then the batch's order: mutant by mutant
+    keep.sort(key=lambda it: (int(_IMPL.search(it.nodeid).group(2)), wanted[it.nodeid]))
+    items[:] = keep
+
+
+def _mutant_of(nodeid: str) -> str | None:
+    m = _IMPL.search(nodeid)
+    if m is None or not os.environ.get(BATCH_ENV):
+        return None
+    if not hasattr(_mutant_of, "ids"):
+        _mutant_of.ids = {k: v["id"] for k, v in _batch()["adapters"].items()}
+    return _mutant_of.ids.get(f"m{m.group(1)}")
+
+
+def pytest_runtest_setup(item):
+    mutant = _mutant_of(item.nodeid)
+    if mutant is not None and mutant in _killed:
+        import pytest
+
+        pytest.skip(f"mutant {mutant} is already killed")
+
+
+def pytest_runtest_logreport(report):
+    mutant = _mutant_of(report.nodeid)
+    if mutant is not None and report.failed:
+        _killed.add(mutant)

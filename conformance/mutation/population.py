@@ -1,0 +1,246 @@
+"""The mutant population of ``reference/``, the sample a campaign draws, and each mutant's cases.
+
+A mutant is ``(file, operator, occurrence)`` in cosmic-ray's terms: the ``occurrence``-th place,
+in a pre-order walk of the file's parso tree, where ``operator`` applies. Its id spells where it is
+and what it does: ``reference/_fsdp1/_flat_param.py:212:14:ReplaceComparisonOperator_Lt_LtE:0``
+(file, line, column, operator, which of that operator's mutations at that spot). Ids depend only
+on the file's text, so one campaign's ids are valid for as long as the file does not change;
+the triage file keys on :func:`fingerprint` instead, which survives edits elsewhere in the file.
+
+Positions inside annotations are left out of the population (the reference uses
+``from __future__ import annotations``; an annotation is never evaluated, so such a mutant is
+equivalent by construction).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from conformance.mutation import operators
+
+PARTS = {
+    "reference/_fully_shard/": "FSDP2",
+    "reference/_fsdp1/": "FSDP1 + hooks",
+    "reference/api.py": "FSDP1 + hooks",  # FSDP1's configuration types (StateDictType ...)
+    "reference/wrap/": "wrap",
+    "reference/__init__.py": "FSDP2",  # the lazy export table; `import reference as fsdp`
+}
+PART_ORDER = ("FSDP2", "FSDP1 + hooks", "wrap")
+
+
+def part_of(file: str) -> str:
+    for prefix, part in PARTS.items():
+        if file.startswith(prefix):
+            return part
+    raise ValueError(f"{file}: not in any part of the reference; add it to PARTS")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # relative to the tree root, "/" separated
+    line: int
+    column: int
+    operator: str  # cosmic-ray's full name, "core/NumberReplacer"
+    occurrence: int
+
+    @property
+    def part(self) -> str:
+        return part_of(self.file)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reference_files(root: Path) -> list[str]:
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in (root / "reference").rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
+
+
+def _annotation_spans(tree: ast.AST) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    spans = []
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            found.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            found.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+        for a in found:
+            spans.append(((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)))
+    return spans
+
+
+def enumerate_file(root: Path, file: str) -> list[Mutant]:
+    """Every mutant of ``file`` (relative to ``root``) under the campaign's operators."""
+    from cosmic_ray.ast import ast_nodes, get_ast
+
+    source = (root / file).read_text()
+    spans = _annotation_spans(ast.parse(source))
+    tree = get_ast(source)
+    nodes = list(ast_nodes(tree))
+    mutants = []
+    for name, operator in operators.selected():
+        occurrence = 0
+        per_spot: dict[tuple[int, int], int] = {}
+        for node in nodes:
+            for start, _end in operator.mutation_positions(node):
+                # parso columns count from 0, lines from 1, like ast
+                inside = any(a <= start < b for a, b in spans)
+                k = per_spot.get(start, 0)
+                per_spot[start] = k + 1
+                if not inside:
+                    short = operators.short_name(name)
+                    mutants.append(
+                        Mutant(
+                            f"{file}:{start[0]}:{start[1]}:{short}:{k}",
+                            file,
+                            start[0],
+                            start[1],
+                            name,
+                            occurrence,
+                        )
+                    )
+                occurrence += 1
+    return mutants
+
+
+def population(root: Path) -> list[Mutant]:
+    return [m for f in reference_files(root) for m in enumerate_file(root, f)]
+
+
+def draw(mutants: list[Mutant], sample: int, seed: int) -> list[Mutant]:
+    """``sample`` mutants drawn without replacement with ``random.Random(seed)`` (all if fewer),
+    in the population's order so that a shard's share is stable."""
+    if sample <= 0 or sample >= len(mutants):
+        return list(mutants)
+    chosen = set(random.Random(seed).sample(range(len(mutants)), sample))
+    return [m for i, m in enumerate(mutants) if i in chosen]
+
+
+def mutated_source(root: Path, mutant: Mutant) -> tuple[str, str]:
+    """``(original, mutated)`` text of the mutant's file (cosmic-ray applies the operator)."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    operators.register()
+    original = (root / mutant.file).read_text()
+    mutated = mutate_code(original, get_operator(mutant.operator)(), mutant.occurrence)
+    if mutated is None:
+        raise ValueError(f"{mutant.id}: the operator no longer applies (the file changed?)")
+    return original, mutated
+
+
+def diff(original: str, mutated: str, file: str) -> str:
+    import difflib
+
+    return "\n".join(
+        difflib.unified_diff(
+            original.splitlines(),
+            mutated.splitlines(),
+            f"a/{file}",
+            f"b/{file}",
+            n=1,
+            lineterm="",
+        )
+    )
+
+
+def fingerprint(mutant: Mutant, original: str, mutated: str) -> str:
+    """A 12-hex-digit key of what the mutant changes: file, operator, the changed lines before
+    and after (stripped), and the index of that change among identical ones in the file. It stays
+    the same when other parts of the file move."""
+    old = original.splitlines()
+    new = mutated.splitlines()
+    lo = 0
+    while lo < min(len(old), len(new)) and old[lo] == new[lo]:
+        lo += 1
+    hi_old, hi_new = len(old), len(new)
+    while hi_old > lo and hi_new > lo and old[hi_old - 1] == new[hi_new - 1]:
+        hi_old -= 1
+        hi_new -= 1
+    before = "\n".join(s.strip() for s in old[lo:hi_old])
+    after = "\n".join(s.strip() for s in new[lo:hi_new])
+    same = sum(1 for i, s in enumerate(old) if i < lo and s.strip() == old[lo].strip())
+    key = "\0".join([mutant.file, operators.short_name(mutant.operator), before, after, str(same)])
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+# --- which lines a mutant touches, for the check selection ------------------------------------
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Where a mutant's effect starts: ``lines`` (run by a case => the case is selected), or the
+    whole file when ``import_time`` (module or class level: runs when the module is imported)."""
+
+    lines: frozenset[int]
+    import_time: bool
+
+
+def reach(source: str, line: int) -> Reach:
+    """The lines whose execution exposes a change at ``line``.
+
+    * inside a function body: the innermost statement containing ``line`` (a compound
+      statement's header only: ``if x:`` up to its body);
+    * a function's decorators or signature (defaults): the function's body lines;
+    * anything else (module or class level): import time.
+    """
+    tree = ast.parse(source)
+    best: tuple[int, int] | None = None
+    func_body: tuple[int, int] | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body_start = node.body[0].lineno
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if first <= line < body_start:
+                span = (body_start, node.end_lineno)
+                if func_body is None or span[1] - span[0] < func_body[1] - func_body[0]:
+                    func_body = span
+        if not isinstance(node, ast.stmt) or not (node.lineno <= line <= node.end_lineno):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        end = node.end_lineno
+        bodies = [getattr(node, f, None) for f in ("body", "orelse", "handlers", "finalbody")]
+        firsts = [b[0].lineno for b in bodies if b]
+        if firsts and line < min(firsts):
+            end = min(firsts) - 1
+        elif firsts:
+            continue  # the line is in a nested block: a smaller statement holds it
+        span = (node.lineno, end)
+        if best is None or span[1] - span[0] <= best[1] - best[0]:
+            best = span
+    if best is not None and _in_function(tree, line):
+        return Reach(frozenset(range(best[0], best[1] + 1)), False)
+    if func_body is not None:
+        return Reach(frozenset(range(func_body[0], func_body[1] + 1)), False)
+    return Reach(frozenset(), True)
+
+
+def _in_function(tree: ast.AST, line: int) -> bool:
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body[0].lineno <= line <= node.end_lineno
+        for node in ast.walk(tree)
+    )
+
+
+def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Reach) -> list[str]:
+    """The case ids (pytest node ids) of the coverage map that reach the mutant."""
+    chosen = []
+    for nodeid, files in coverage.items():
+        lines = files.get(file)
+        if not lines:
+            continue
+        if where.import_time or not where.lines.isdisjoint(lines):
+            chosen.append(nodeid)
+    return chosen

@@ -1,0 +1,249 @@
+"""The campaign's score and reports: ``reports/mutation.json``, ``mutation.md``, ``mutation-gaps.md``.
+
+[Note: the score]
+K = killed + timeout (a hang is a kill: the suite did notice), S = survivors not declared
+equivalent in the triage file, M = K + S; the score is K / M. Incompetent mutants (they do not
+import) and harness errors are left out of both. The 95 % interval is Wilson's score interval for
+a binomial proportion (K successes in M draws): it stays inside [0, 1] and keeps sensible width at
+small M and at scores near 100 %, where the normal approximation collapses to a point.
+Each part (FSDP2, FSDP1 + hooks, wrap) and each operator family gets its own K/M and interval.
+
+[Note: triage]
+``conformance/mutation/triage.toml`` (checked in) holds one entry per survivor that someone looked
+at, keyed by the mutant's fingerprint (see :func:`conformance.mutation.population.fingerprint`):
+
+    [[equivalent]]              # no test can tell it apart from the original
+    fingerprint = "5aa10b727c44"
+    mutant = "reference/...:159:62:ReplaceAndWithOr:0"   # the id when it was triaged
+    reason = "one line: why no observable behaviour changes"
+
+    [[gap]]                     # a real gap: what a check must assert to kill it
+    fingerprint = "..."
+    mutant = "..."
+    needs = "one line"
+
+A survivor is triaged when it has an entry of either kind; equivalent ones leave the score's M.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from conformance.mutation import operators
+from conformance.mutation.population import PART_ORDER
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+KILLED = ("killed", "timeout")
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson's 95 % score interval for k successes in n trials ((0, 1) when n == 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    denom = 1 + z * z / n
+    return max(0.0, (centre - half) / denom), min(1.0, (centre + half) / denom)
+
+
+def load_triage(path: Path) -> dict[str, dict]:
+    """fingerprint -> entry (with ``kind``: equivalent / gap); a missing file is empty."""
+    if not path.exists():
+        return {}
+    data = tomllib.loads(path.read_text())
+    entries = {}
+    for kind in ("equivalent", "gap"):
+        for entry in data.get(kind, []):
+            field = "reason" if kind == "equivalent" else "needs"
+            if not entry.get("fingerprint") or not entry.get(field):
+                raise SystemExit(
+                    f"mutation: {path}: every [[{kind}]] needs a fingerprint and a {field}: {entry}"
+                )
+            entries[entry["fingerprint"]] = dict(entry, kind=kind)
+    return entries
+
+
+def _score(records: list[dict]) -> dict:
+    k = sum(r["status"] in KILLED for r in records)
+    s = sum(
+        r["status"] == "survived" and r.get("triage", {}).get("kind") != "equivalent"
+        for r in records
+    )
+    m = k + s
+    lo, hi = wilson(k, m)
+    return {
+        "killed": k,
+        "scored": m,
+        "score": round(k / m, 4) if m else None,
+        "ci95": [round(lo, 4), round(hi, 4)],
+    }
+
+
+def summarise(records: list[dict], triage: dict[str, dict]) -> dict:
+    for r in records:
+        if r["status"] == "survived" and r["fingerprint"] in triage:
+            r["triage"] = triage[r["fingerprint"]]
+    counts = defaultdict(int)
+    for r in records:
+        counts[r["status"]] += 1
+    survivors = [r for r in records if r["status"] == "survived"]
+    by_part = {
+        part: _score([r for r in records if r["part"] == part])
+        for part in PART_ORDER
+        if any(r["part"] == part for r in records)
+    }
+    families = sorted({operators.operator_class(r["operator"]) for r in records})
+    by_op = {
+        f: _score([r for r in records if operators.operator_class(r["operator"]) == f])
+        for f in families
+    }
+    timed = [r["seconds"] for r in records if r.get("cases")]
+    return {
+        **_score(records),
+        "counts": dict(counts),
+        "survivors": survivors,
+        "by_part": by_part,
+        "by_operator": by_op,
+        "median_s": round(statistics.median(timed), 1) if timed else None,
+        "total_s": round(sum(r["seconds"] for r in records), 1),
+    }
+
+
+def _survivor_entry(r: dict) -> dict:
+    t = r.get("triage")
+    if t is None:
+        triage = "untriaged"
+    elif t["kind"] == "equivalent":
+        triage = f"equivalent: {t['reason']}"
+    else:
+        triage = f"gap: {t['needs']}"
+    return {
+        "id": r["id"],
+        "fingerprint": r["fingerprint"],
+        "file": r["file"],
+        "line": r["line"],
+        "operator": r["operator"],
+        "part": r["part"],
+        "diff": r["diff"],
+        "note": r["note"],
+        "triage": triage,
+    }
+
+
+def write(records, *, drawn, missing, args, population, triage_path, reports_dir) -> str:
+    """Write the three reports; return the final line (see the module's Note)."""
+    s = summarise(records, load_triage(triage_path))
+    survivors = [_survivor_entry(r) for r in s["survivors"]]
+    triaged = sum(e["triage"] != "untriaged" for e in survivors)
+    c = s["counts"]
+    data = {
+        "sample": drawn,
+        "seed": args.seed,
+        "population": population,
+        "judged": len(records),
+        "pending": missing,
+        "killed": c.get("killed", 0),
+        "survived": c.get("survived", 0),
+        "timeout": c.get("timeout", 0),
+        "incompetent": c.get("incompetent", 0),
+        "error": c.get("error", 0),
+        "equivalent": sum(e["triage"].startswith("equivalent") for e in survivors),
+        "score": s["score"],
+        "score_ci95_wilson": s["ci95"],
+        "score_k": s["killed"],
+        "score_m": s["scored"],
+        "by_part": s["by_part"],
+        "by_operator": s["by_operator"],
+        "median_s_per_mutant": s["median_s"],
+        "total_s": s["total_s"],
+        "world_sizes": args.world_sizes,
+        "survivors": survivors,
+        "errors": [{"id": r["id"], "note": r["note"]} for r in records if r["status"] == "error"],
+    }
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    (reports_dir / "mutation.json").write_text(json.dumps(data, indent=2) + "\n")
+    pct = f"{100 * s['score']:.1f}%" if s["score"] is not None else "n/a"
+    line = (
+        f"mutation score: {s['killed']}/{s['scored']} = {pct} "
+        f"(survivors triaged {triaged}/{len(survivors)})"
+    )
+    (reports_dir / "mutation.md").write_text(_markdown(data, line))
+    (reports_dir / "mutation-gaps.md").write_text(_gaps(survivors))
+    return line
+
+
+def _fmt(score: dict) -> str:
+    if score["score"] is None:
+        return f"{score['killed']}/{score['scored']}"
+    lo, hi = score["ci95"]
+    return (
+        f"{score['killed']}/{score['scored']} = {100 * score['score']:.1f}% "
+        f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+    )
+
+
+def _markdown(d: dict, line: str) -> str:
+    out = [
+        "# Mutation campaign",
+        "",
+        f"Sample {d['sample']} of {d['population']} mutants (seed {d['seed']}), world sizes "
+        f"{d['world_sizes']}; judged {d['judged']}, pending {d['pending']}.",
+        "",
+        f"killed {d['killed']}, timeout {d['timeout']}, survived {d['survived']} "
+        f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, error {d['error']}; "
+        f"median {d['median_s_per_mutant']} s per mutant run, {d['total_s']} s in all.",
+        "",
+        "Score = (killed + timeout) / (killed + timeout + non-equivalent survivors), with "
+        "Wilson's 95 % interval.",
+        "",
+        "| part | score [95 % interval] |",
+        "|---|---|",
+        *(f"| {p} | {_fmt(v)} |" for p, v in d["by_part"].items()),
+        "",
+        "| operator family | score [95 % interval] |",
+        "|---|---|",
+        *(f"| {p} | {_fmt(v)} |" for p, v in d["by_operator"].items()),
+        "",
+        "## Survivors",
+        "",
+    ]
+    for e in d["survivors"]:
+        out += [
+            f"### {e['id']} ({e['part']})",
+            "",
+            f"fingerprint `{e['fingerprint']}`; {e['note']}; triage: {e['triage']}",
+            "",
+            "```diff",
+            e["diff"],
+            "```",
+            "",
+        ]
+    out += [line, ""]
+    return "\n".join(out)
+
+
+def _gaps(survivors: list[dict]) -> str:
+    out = ["# Mutation gaps: survivors that are not equivalent", ""]
+    for e in survivors:
+        if e["triage"].startswith("equivalent"):
+            continue
+        out += [
+            f"* `{e['file']}:{e['line']}` {operators.short_name(e['operator'])} "
+            f"(`{e['fingerprint']}`): {e['triage']}",
+            "",
+            "  ```diff",
+            *("  " + ln for ln in e["diff"].splitlines()),
+            "  ```",
+            "",
+        ]
+    return "\n".join(out)

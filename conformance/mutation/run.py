@@ -1,0 +1,549 @@
+"""``python -m conformance.mutation`` (``nox -s mutation``): a sampled, resumable, shardable mutation campaign.
+
+The engine is cosmic-ray (its parso-based operators, narrowed and extended in
+:mod:`.operators`; its ``mutate_code`` applies a mutant). This module is the campaign around it:
+
+1. copy the tree (``reference/``, ``conformance/``, ``pyproject.toml``) into the work directory;
+   every mutant is written into that copy, never into the checkout;
+2. measure the coverage map (:mod:`.coverage`; cached by a hash of the tree);
+3. draw ``--sample`` mutants with ``--seed`` (:mod:`.population`), keep this shard's share
+   (``--shard i/n``: every n-th, from the i-th), skip those the session file already holds;
+4. for each mutant: write it, run ``python -m conformance`` on the cases that execute the mutated
+   statement (``-x``: the first failing case ends the run) under a per-mutant timeout, restore the
+   file, append the verdict to the session file (one JSON line, flushed);
+5. merge every shard's session file of the same campaign into ``reports/mutation.{json,md}``
+   (:mod:`.report`).
+
+Verdicts: ``killed`` (a case failed), ``timeout`` (a case hit ``--check-timeout`` or the whole
+run its per-mutant timeout: a hang), ``survived`` (every selected case passed, or no case
+executes the mutated statement: ``note`` says which), ``incompetent`` (the mutated module does not
+compile or import), ``error`` (the harness itself failed; not scored, listed in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conformance.mutation import coverage, live, population, report
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("reference", "conformance", "pyproject.toml")
+DEFAULT_SAMPLE = 200
+DEFAULT_SEED = 2026
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m conformance.mutation",
+        description="Mutation campaign on reference/: sample mutants, run the cases that execute "
+        "each mutated statement, score the suite. Resumable (rerun the same command); shardable "
+        "(--shard i/n on several machines, then --merge with every shard's session file in the "
+        "work directory).",
+    )
+    p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, help="mutants to draw (0: all)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the draw")
+    p.add_argument("--shard", default="1/1", help="i/n: run the i-th of n shares (1-based)")
+    p.add_argument("--world-sizes", default="1,2", help="world sizes of the cases (default 1,2)")
+    p.add_argument("--check-timeout", type=float, default=30.0, help="per check, seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0.0,
+        help="per mutant, seconds (default: 60 + 4 x the selected cases' unmutated time)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="mutants per shared conformance run (see conformance/mutation/live.py; 1: a "
+        "fresh run per mutant)",
+    )
+    p.add_argument("--work-dir", default="reports/mutation-work", help="tree copy, cache, sessions")
+    p.add_argument("--reports-dir", default="reports", help="mutation.json / .md go here")
+    p.add_argument(
+        "--tree-from",
+        default="",
+        help="mutate a copy of this git revision (e.g. HEAD) instead of the checkout's files",
+    )
+    p.add_argument(
+        "--files",
+        default="",
+        help="only mutants of these reference files (comma-separated globs, e.g. "
+        "'reference/wrap/*'; default: all of reference/)",
+    )
+    p.add_argument(
+        "--checks",
+        default="",
+        help="a pytest -k expression narrowing the cases a mutant may run (default: all)",
+    )
+    p.add_argument("--ids", default="", help="run only these mutant ids (comma-separated)")
+    p.add_argument("--merge", action="store_true", help="only merge the session files and report")
+    p.add_argument("--list", action="store_true", help="list the drawn mutants and exit")
+    p.add_argument(
+        "--triage",
+        default=str(ROOT / "conformance" / "mutation" / "triage.toml"),
+        help="the checked-in triage file (equivalent mutants, known gaps)",
+    )
+    args = p.parse_args(argv)
+    m = re.fullmatch(r"(\d+)/(\d+)", args.shard)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        p.error(f"--shard {args.shard!r}: expected i/n with 1 <= i <= n, e.g. --shard 1/4")
+    args.shard_i, args.shard_n = int(m.group(1)), int(m.group(2))
+    try:
+        args.ws = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()})
+    except ValueError:
+        p.error(f"--world-sizes {args.world_sizes!r}: expected comma-separated integers, e.g. 1,2")
+    if not args.ws or min(args.ws) < 1:
+        p.error(f"--world-sizes {args.world_sizes!r}: give at least one size >= 1, e.g. 1,2")
+    if args.sample < 0:
+        p.error(f"--sample {args.sample}: give a count >= 0 (0 draws every mutant)")
+    return args
+
+
+def tree_hash(root: Path, parts=("reference", "conformance")) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        for path in sorted((root / part).rglob("*.py")):
+            if "__pycache__" in path.parts or path.parent.name == "mutation":
+                continue  # caches, and the campaign's own code (it measures, it is not measured)
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def copy_tree(dest: Path, rev: str = "") -> None:
+    """A fresh copy of what the suite needs, without caches: the checkout's files as they are, or
+    those of git revision ``rev`` (``--tree-from HEAD``: what was committed, whatever is being
+    edited in the checkout meanwhile)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    if rev:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", rev, *COPIED],
+            capture_output=True,
+            check=False,
+        )
+        if archive.returncode:
+            raise SystemExit(f"mutation: --tree-from {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+        # the campaign's own tooling (tracer, import check) is the one running, not rev's
+        shutil.rmtree(dest / "conformance" / "mutation", ignore_errors=True)
+        shutil.copytree(
+            Path(__file__).parent,
+            dest / "conformance" / "mutation",
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
+        return
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **extra)
+    env.pop("PYTHONPATH", None)  # the copy, not the checkout, must provide conformance/reference
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group; ``(None, output)`` when it ran out of time."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out or ""
+
+
+def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") -> dict:
+    """The coverage map and baseline of the unmutated tree (cached; see :mod:`.coverage`)."""
+    digest = hashlib.sha256(checks.encode()).hexdigest()[:6]
+    key = tree_hash(tree) + "-ws" + "".join(map(str, ws)) + (f"-k{digest}" if checks else "")
+    cache = work / f"coverage-{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    trace_dir = work / "trace"
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    trace_dir.mkdir(parents=True)
+    reports_dir = work / "trace-report"
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "--impl",
+        ",".join(coverage.SPECS.values()),
+        "--world-sizes",
+        ",".join(map(str, ws)),
+        "-p",
+        "conformance.mutation.coverage",
+        "-p",
+        "no:cacheprovider",
+        "--reports-dir",
+        str(reports_dir.resolve()),
+        "-q",
+        "--tb=no",
+        *(["-k", checks] if checks else []),
+    ]
+    print(f"mutation: measuring the coverage map (one traced run at ws {ws}) ...", flush=True)
+    started = time.monotonic()
+    code, out = _run(cmd, tree, _env(**{coverage.TRACE_ENV: str(trace_dir.resolve())}), 3600)
+    if code not in (0, 1) or not (trace_dir / "map.out").exists():
+        raise SystemExit(f"mutation: the traced run exited {code}:\n{out[-3000:]}")
+    lines = json.loads((trace_dir / "map.out").read_text())
+    cases = json.loads((reports_dir / "conformance.json").read_text())["cases"]
+    baseline = {c["nodeid"]: (c["outcome"], c["duration_s"]) for c in cases}
+    usable = {n: f for n, f in lines.items() if baseline.get(n, ("",))[0] in ("pass", "xfail")}
+    data = {
+        "key": key,
+        "wall_s": round(time.monotonic() - started, 1),
+        "control_failures": sorted(n for n, (o, _) in baseline.items() if o == "fail"),
+        "duration": {n: baseline[n][1] for n in usable},
+        "lines": usable,
+    }
+    cache.write_text(json.dumps(data))
+    print(
+        f"mutation: coverage map of {len(usable)} cases in {data['wall_s']} s "
+        f"({len(data['control_failures'])} control failures left out)",
+        flush=True,
+    )
+    return data
+
+
+_WS = re.compile(r"\[(.+?)-ws(\d+)(?:-|\])")
+
+
+def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
+    """Write the mutant into ``tree``, run its cases in a fresh run (``-x``), restore the file."""
+    started = time.monotonic()
+    original = (tree / mutant.file).read_text()
+    record, mutated, cases = prep["record"] | {"run": "process"}, prep["mutated"], prep["cases"]
+
+    def done(status: str, note: str = "", **extra) -> dict:
+        return (
+            record
+            | extra
+            | {
+                "status": status,
+                "note": note,
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        )
+
+    impls = sorted({_WS.search(n).group(1) for n in cases})
+    sizes = sorted({int(_WS.search(n).group(2)) for n in cases})
+    budget = args.timeout or 60 + 4 * sum(cov["duration"].get(n, 0.0) for n in cases)
+    module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+    run_reports = work / f"runs-{args.shard_i}of{args.shard_n}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "--impl",
+        ",".join(coverage.SPECS[i] for i in impls),
+        "--world-sizes",
+        ",".join(map(str, sizes)),
+        "--check-timeout",
+        f"{args.check_timeout:g}",
+        "--reports-dir",
+        str(run_reports.resolve()),
+        "-x",
+        "-q",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        *cases,
+    ]
+    path = tree / mutant.file
+    path.write_text(mutated)
+    try:
+        code, out = _run(cmd, tree, _env(**{coverage.IMPORT_ENV: module}), budget)
+    finally:
+        path.write_text(original)
+    record["cases"] = len(cases)
+    if code is None:
+        return done("timeout", f"the run passed its {budget:.0f} s budget")
+    if code == 2 and "could not load implementation" in out:
+        return done("incompetent", "does not import: " + _last_line(out))
+    if code == 0:
+        return done("survived", f"{len(cases)} case(s) passed")
+    if code == 1:
+        failed = _failures(run_reports)
+        if failed:
+            hung = all("did not finish within" in c["message"] for c in failed)
+            return done("timeout" if hung else "killed", killer=failed[0]["id"])
+    return done("error", f"the conformance run exited {code}: {_last_line(out)}")
+
+
+def prepare(mutant, tree: Path, cov: dict) -> dict:
+    """The mutant's record so far, its mutated text, its cases and how it can be run: ``live``
+    (inside a function body: a code swap in a shared run, see :mod:`.live`), ``process`` (a
+    fresh run with the file rewritten) or ``done`` (no run needed; ``status`` set)."""
+    original, mutated = population.mutated_source(tree, mutant)
+    record = mutant.as_dict() | {
+        "part": mutant.part,
+        "diff": population.diff(original, mutated, mutant.file),
+        "fingerprint": population.fingerprint(mutant, original, mutated),
+        "cases": 0,
+        "killer": "",
+        "note": "",
+        "seconds": 0.0,
+    }
+    try:
+        compile(mutated, mutant.file, "exec")
+    except SyntaxError as exc:
+        return {"record": record | {"status": "incompetent", "note": f"does not compile: {exc}"}}
+    where = population.reach(original, mutant.line)
+    cases = population.select_cases(cov["lines"], mutant.file, where)
+    if not cases:
+        note = "no case executes the mutated statement"
+        return {"record": record | {"status": "survived", "note": note}}
+    cases.sort(key=lambda n: (cov["duration"].get(n, 0.0), n))  # fast ones first
+    import ast
+
+    live = not where.import_time and population._in_function(ast.parse(original), mutant.line)
+    return {"record": record, "mutated": mutated, "cases": cases, "live": live}
+
+
+def judge_batch(batch: list, tree: Path, work: Path, cov: dict, args) -> list[dict]:
+    """Judge live mutants (``(mutant, prepared)`` pairs) in one conformance run (see
+    :mod:`.live`); a mutant the ranks could not swap in comes back with status ``retry``."""
+    adapters, order, owner = {}, [], {}
+    for mutant, prep in batch:
+        module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+        by_impl: dict[str, list[str]] = {}
+        for nodeid in prep["cases"]:
+            by_impl.setdefault(_WS.search(nodeid).group(1), []).append(nodeid)
+        for impl, nodeids in sorted(by_impl.items()):
+            n = len(adapters)
+            adapters[f"m{n}"] = {
+                "id": mutant.id,
+                "impl": impl,
+                "module": module,
+                "line": mutant.line,
+                "source": prep["mutated"],
+            }
+            for nodeid in nodeids:
+                mine = nodeid.replace(f"[{impl}-ws", f"[mutant-{n}-ws", 1)
+                order.append(mine)
+                owner[mine] = mutant.id
+    batch_file = work / f"batch-{args.shard_i}of{args.shard_n}.json"
+    batch_file.write_text(json.dumps({"adapters": adapters, "order": order}))
+    sizes = sorted({int(_WS.search(n).group(2)) for n in order})
+    files = sorted({n.split("::", 1)[0] for n in order})
+    run_reports = work / f"runs-{args.shard_i}of{args.shard_n}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "--impl",
+        ",".join(f"conformance.mutation.live:{a}" for a in adapters),
+        "--world-sizes",
+        ",".join(map(str, sizes)),
+        "--check-timeout",
+        f"{args.check_timeout:g}",
+        "--reports-dir",
+        str(run_reports.resolve()),
+        "-q",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "conformance.mutation.live",
+        *files,
+    ]
+    budget = 120 + 4 * sum(cov["duration"].get(n, 0.0) for _, p in batch for n in p["cases"])
+    budget += len(batch) * args.check_timeout  # each mutant may hang one check
+    started = time.monotonic()
+    env = _env(**{live.BATCH_ENV: str(batch_file.resolve())})
+    code, out = _run(cmd, tree, env, budget)
+    wall = time.monotonic() - started
+    results = {}
+    if code in (0, 1) and (run_reports / "conformance.json").exists():
+        for case in json.loads((run_reports / "conformance.json").read_text())["cases"]:
+            if case["nodeid"] in owner:
+                results.setdefault(owner[case["nodeid"]], []).append(case)
+    case_time = sum(c["duration_s"] for cs in results.values() for c in cs)
+    overhead = max(0.0, wall - case_time) / len(batch)
+    records = []
+    for mutant, prep in batch:
+        cases = results.get(mutant.id, [])
+        ran = [c for c in cases if c["outcome"] != "skip"]
+        failed = [c for c in ran if c["outcome"] == "fail"]
+        rec = prep["record"] | {
+            "cases": len(ran),
+            "seconds": round(sum(c["duration_s"] for c in ran) + overhead, 2),
+            "run": "live",
+        }
+        if code is None:
+            rec |= {"status": "retry", "note": f"the batch passed its {budget:.0f} s budget"}
+        elif not cases:
+            rec |= {"status": "retry", "note": f"the batch run exited {code}: {_last_line(out)}"}
+        elif any(live.NOT_APPLIED in c["message"] for c in failed):
+            rec |= {"status": "retry", "note": "no code swap possible"}
+        elif failed:
+            hung = all("did not finish within" in c["message"] for c in failed)
+            rec |= {"status": "timeout" if hung else "killed", "killer": failed[0]["id"]}
+        elif len(cases) < len(prep["cases"]):
+            rec |= {"status": "retry", "note": f"{len(cases)} of {len(prep['cases'])} collected"}
+        else:
+            rec |= {"status": "survived", "note": f"{len(ran)} case(s) passed or skipped"}
+        records.append(rec)
+    return records
+
+
+def _failures(run_reports: Path) -> list[dict]:
+    path = run_reports / "conformance.json"
+    if not path.exists():
+        return []
+    return [c for c in json.loads(path.read_text())["cases"] if c["outcome"] == "fail"]
+
+
+def _last_line(out: str) -> str:
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> None:
+    """Judge ``todo`` in order, appending each verdict to ``out`` as soon as it is known: live
+    mutants in batches of ``--batch`` (one shared run each), the others one run each."""
+    count = [0]
+
+    def emit(rec: dict) -> None:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+        count[0] += 1
+        print(
+            f"mutation: [{count[0]}/{len(todo)}] {rec['status']:11} {rec['seconds']:6.1f} s "
+            f"{rec.get('run', '-'):7} {rec['id']}" + (f" ({rec['note']})" if rec["note"] else ""),
+            flush=True,
+        )
+
+    def process(mutant, prep) -> None:
+        emit(judge(mutant, prep, tree, work, cov, args))
+
+    batch: list = []
+
+    def flush_batch() -> None:
+        if not batch:
+            return
+        for (mutant, prep), rec in zip(batch, judge_batch(batch, tree, work, cov, args)):
+            if rec["status"] == "retry":
+                print(f"mutation: {mutant.id}: {rec['note']}; a fresh run judges it", flush=True)
+                process(mutant, prep)
+            else:
+                emit(rec)
+        batch.clear()
+
+    for mutant in todo:
+        prep = prepare(mutant, tree, cov)
+        if "cases" not in prep:
+            emit(prep["record"])
+        elif prep["live"] and args.batch > 1:
+            batch.append((mutant, prep))
+            if len(batch) >= args.batch:
+                flush_batch()
+        else:
+            process(mutant, prep)
+    flush_batch()
+
+
+def session_paths(work: Path, key: str) -> list[Path]:
+    return sorted(work.glob(f"session-{key}-*.jsonl"))
+
+
+def load_session(paths: list[Path]) -> dict[str, dict]:
+    done = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["id"]] = rec
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    work = (ROOT / args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    label = "merge" if args.merge else f"{args.shard_i}of{args.shard_n}"
+    tree = work / f"tree-{label}"
+    copy_tree(tree, args.tree_from)  # every mutant is written here, never into the checkout
+    everything = population.population(tree)
+    if args.files:
+        globs = [g.strip() for g in args.files.split(",") if g.strip()]
+        everything = [m for m in everything if any(fnmatch.fnmatch(m.file, g) for g in globs)]
+        if not everything:
+            raise SystemExit(f"mutation: --files {args.files!r} matches no mutant of reference/")
+    drawn = population.draw(everything, args.sample, args.seed)
+    if args.ids:
+        wanted = {i.strip() for i in args.ids.split(",") if i.strip()}
+        unknown = wanted - {m.id for m in everything}
+        if unknown:
+            raise SystemExit(f"mutation: --ids: no such mutant {sorted(unknown)}; see --list")
+        drawn = [m for m in everything if m.id in wanted]
+    # one campaign = this population (reference text), this suite, this draw
+    ids = hashlib.sha256("\n".join(m.id for m in everything).encode()).hexdigest()
+    key = hashlib.sha256(
+        (
+            tree_hash(tree)
+            + ids
+            + f"{args.sample}-{args.seed}-{args.world_sizes}-{args.ids}-{args.files}-{args.checks}"
+        ).encode()
+    ).hexdigest()[:12]
+    session = work / f"session-{key}-{args.shard_i}of{args.shard_n}.jsonl"
+    if args.list:
+        for m in drawn:
+            print(m.id)
+        return 0
+    if not args.merge:
+        mine = drawn[args.shard_i - 1 :: args.shard_n]
+        done = load_session([session]) if session.exists() else {}
+        todo = [m for m in mine if m.id not in done]
+        print(
+            f"mutation: population {len(everything)}, drawn {len(drawn)} (seed {args.seed}), "
+            f"shard {args.shard}: {len(mine)}, already judged {len(mine) - len(todo)}; "
+            f"session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session}",
+            flush=True,
+        )
+        cov = measure_coverage(tree, work, args.ws, args.checks)
+        with open(session, "a") as out:
+            run_campaign(todo, tree, work, cov, args, out)
+    results = load_session(session_paths(work, key))
+    missing = [m.id for m in drawn if m.id not in results]
+    summary = report.write(
+        [results[m.id] for m in drawn if m.id in results],
+        drawn=len(drawn),
+        missing=len(missing),
+        args=args,
+        population=len(everything),
+        triage_path=Path(args.triage),
+        reports_dir=(ROOT / args.reports_dir),
+    )
+    print(summary)
+    return 0

@@ -1,0 +1,191 @@
+"""The mutation campaign (``conformance/mutation``): its pure parts, and a tiny campaign end to end.
+
+The tiny campaign is what CI runs (``nox -s tests`` installs cosmic-ray for it): a handful of
+mutants of one small file, a fixed seed, the cases narrowed to one area, world size 2 only. It
+proves the pipeline (copy, trace, mutate, select, judge, resume, report) and that the checkout is
+never written; the full campaign is ``nox -s mutation``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cosmic_ray", reason="the mutation engine (nox -s tests installs it)")
+
+from conformance.mutation import operators, population, report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wilson_interval_matches_the_closed_form():
+    # k = 0 of n: the upper bound is z^2 / (n + z^2)
+    z = 1.959964
+    lo, hi = report.wilson(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(z * z / (10 + z * z), rel=1e-6)
+    lo, hi = report.wilson(10, 10)
+    assert hi == pytest.approx(1.0) and lo == pytest.approx(10 / (10 + z * z), rel=1e-6)
+    lo, hi = report.wilson(180, 200)
+    assert lo < 0.9 < hi and lo > 0.84 and hi < 0.94
+
+
+@pytest.mark.parametrize("cls", [operators.DeleteStatement, operators.ReturnNone])
+def test_added_operators_make_their_examples(cls):
+    from cosmic_ray.mutating import mutate_code
+
+    for ex in cls.examples():
+        assert mutate_code(ex.pre_mutation_code, cls(), ex.occurrence) == ex.post_mutation_code
+
+
+def test_statement_deletion_spares_docstrings_imports_and_returns():
+    from cosmic_ray.mutating import mutate_code
+
+    source = 'def f():\n    """doc"""\n    import os\n    return os.sep\n'
+    assert mutate_code(source, operators.DeleteStatement(), 0) is None
+
+
+def test_operator_set_has_each_family():
+    families = {operators.operator_class(name) for name, _ in operators.selected()}
+    assert families == {
+        "binary",
+        "comparison",
+        "unary",
+        "condition",
+        "constant",
+        "decorator",
+        "statement",
+        "return",
+    }
+
+
+SOURCE = """\
+import math
+
+LIMIT = 3
+
+
+@decorate
+def f(x, y=2):
+    total = 0
+    if x > LIMIT and y:
+        total = x + 1
+    for i in range(x):
+        total += i
+    return total
+"""
+
+
+def test_reach_maps_a_mutant_to_the_lines_that_expose_it():
+    assert population.reach(SOURCE, 10).lines == {10}  # a simple statement
+    assert population.reach(SOURCE, 9).lines == {9}  # an if's header, not its body
+    assert population.reach(SOURCE, 11).lines == {11}  # a for's header
+    assert population.reach(SOURCE, 7).lines == set(range(8, 14))  # a default: the body
+    assert population.reach(SOURCE, 6).lines == set(range(8, 14))  # the decorator: the body
+    assert population.reach(SOURCE, 3).import_time  # module level
+
+
+def test_selection_takes_the_cases_that_ran_the_lines():
+    cov = {"a": {"reference/x.py": [9, 10]}, "b": {"reference/x.py": [8]}, "c": {"other": [9]}}
+    assert population.select_cases(cov, "reference/x.py", population.reach(SOURCE, 9)) == ["a"]
+    whole = population.reach(SOURCE, 3)
+    assert population.select_cases(cov, "reference/x.py", whole) == ["a", "b"]
+
+
+def test_annotations_are_not_mutated(tmp_path):
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "m.py").write_text("def f(x: int | None) -> int | None:\n    pass\n")
+    assert population.enumerate_file(tmp_path, "reference/m.py") == []
+
+
+def test_draw_is_seeded_and_shards_partition_it():
+    everything = population.population(ROOT)
+    first = population.draw(everything, 30, 7)
+    assert first == population.draw(everything, 30, 7)
+    assert first != population.draw(everything, 30, 8)
+    shares = [first[i::3] for i in range(3)]
+    assert sorted(m.id for s in shares for m in s) == sorted(m.id for m in first)
+    assert {m.part for m in everything} == set(population.PART_ORDER)
+
+
+def test_fingerprint_survives_a_shift_elsewhere_in_the_file(tmp_path):
+    (tmp_path / "reference").mkdir()
+    path = tmp_path / "reference" / "m.py"
+    body = "def f(x):\n    return x + 1\n"
+    path.write_text(body)
+    m1 = [m for m in population.enumerate_file(tmp_path, "reference/m.py") if "Add_Sub" in m.id][0]
+    fp1 = population.fingerprint(m1, *population.mutated_source(tmp_path, m1))
+    path.write_text("import os\n\n\n" + body)
+    m2 = [m for m in population.enumerate_file(tmp_path, "reference/m.py") if "Add_Sub" in m.id][0]
+    assert m2.line == m1.line + 3
+    assert population.fingerprint(m2, *population.mutated_source(tmp_path, m2)) == fp1
+
+
+def test_triage_entries_need_a_reason(tmp_path):
+    bad = tmp_path / "t.toml"
+    bad.write_text('[[equivalent]]\nfingerprint = "abc"\n')
+    with pytest.raises(SystemExit, match="needs a fingerprint and a reason"):
+        report.load_triage(bad)
+    assert report.load_triage(ROOT / "conformance" / "mutation" / "triage.toml") is not None
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted((root / "reference").rglob("*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+TINY = [
+    "--sample",
+    "3",
+    "--seed",
+    "5",
+    "--files",
+    "reference/_fully_shard/_shard_math.py",
+    "--checks",
+    "layout and dim0",
+    "--world-sizes",
+    "2",
+]
+
+
+def test_tiny_campaign_end_to_end(tmp_path):
+    """Three mutants of the sharding arithmetic, judged by the layout cases at world size 2."""
+    before = _digest(ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance.mutation",
+        *TINY,
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--reports-dir",
+        str(tmp_path),
+    ]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert _digest(ROOT) == before, "the campaign wrote into the checkout's reference/"
+    last = run.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"mutation score: \d+/\d+ = (\d+\.\d%|n/a) \(survivors triaged \d+/\d+\)", last
+    ), last
+    data = json.loads((tmp_path / "mutation.json").read_text())
+    for key in ("sample", "seed", "killed", "survived", "timeout", "incompetent", "score"):
+        assert key in data
+    assert data["sample"] == 3 and data["seed"] == 5 and data["pending"] == 0
+    judged = data["killed"] + data["survived"] + data["timeout"] + data["incompetent"]
+    assert judged + data["error"] == 3 and data["error"] == 0
+    assert data["killed"] >= 1, data  # the layout cases see off-by-one arithmetic
+    for s in data["survivors"]:
+        assert {"id", "file", "line", "operator", "diff", "triage"} <= set(s)
+    # rerunning the same command resumes: nothing is judged twice
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "already judged 3" in again.stdout
+    assert "mutation: [" not in again.stdout
