@@ -6,12 +6,14 @@ knows the case's outcome, and rank 0 writes the reports. There is no driver abov
 so a hung check cannot be recovered: a watchdog dumps this rank's stacks to the terminal and ends
 the process ``grace`` seconds after the check's timeout, and torchrun then tears the job down. The
 stacks go to the stderr the process started with (``terminal_fd``, a duplicate the plugin takes at
-import, before pytest's output capture replaces fd 2), so no capture mode can swallow them.
+import, before pytest's output capture replaces fd 2), so no capture mode can swallow them. After
+each check the process groups it created are released, as in a worker rank.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 from datetime import timedelta
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from conformance.runner.execute import execute
 from conformance.runner.protocol import RankResult, Task
+from conformance.runner.resources import LEDGER
 
 
 class InProcessGroup:
@@ -39,6 +42,7 @@ class InProcessGroup:
         self.spawn_count = 0
         self.grace = grace
         self.terminal_fd = terminal_fd
+        gc.freeze()  # see conformance.runner.worker: makes the release after each check cheap
 
     def start(self) -> None:
         pass  # the process group was joined in __init__
@@ -47,12 +51,16 @@ class InProcessGroup:
         faulthandler.dump_traceback_later(
             task.timeout + self.grace, exit=True, file=self.terminal_fd
         )
+        LEDGER.begin()
         try:
             mine = execute(task, self.rank, self.world_size, self.device, self.backend)
         finally:
             faulthandler.cancel_dump_traceback_later()
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self._objects)
+        # Every rank is past the check now: release what it created (see
+        # [Note: per-check cleanup] in conformance.runner.resources).
+        LEDGER.release()
         return gathered
 
     def close(self) -> None:

@@ -16,6 +16,15 @@ seconds) then decides between keeping the group and restarting it. So one bad ch
 the next. Worker processes (and whatever they start) die with the driver and are killed on
 ``close()`` (see [Note: no orphans] in :mod:`conformance.runner.lifeline`); their temporary
 directory is removed with them.
+
+[Note: bounded ranks]
+A rank releases the process groups and caches a check created before it takes the next message
+(see [Note: per-check cleanup] in :mod:`conformance.runner.resources`). What that misses (a thread
+a check never joined, an implementation that keeps every model it sharded) is bounded here: after
+each check the driver reads every rank's thread and file-descriptor counts and, when one has grown
+past its count at start-up by more than ``thread_headroom`` / ``fd_headroom``, recycles the group
+(killed now, restarted before the next check; counted in ``recycles``). The counts lag one check
+(the release runs when the next message arrives), so the headroom exceeds what one check creates.
 """
 
 from __future__ import annotations
@@ -67,6 +76,8 @@ class WorkerGroup:
         grace: float = 5.0,
         start_timeout: float = 120.0,
         probe_timeout: float = 5.0,
+        thread_headroom: int | None = 128,
+        fd_headroom: int | None = 256,
     ):
         self.world_size = world_size
         self.device = device
@@ -75,8 +86,12 @@ class WorkerGroup:
         self.grace = grace
         self.start_timeout = start_timeout
         self.probe_timeout = probe_timeout
+        self.thread_headroom = thread_headroom
+        self.fd_headroom = fd_headroom
         self.spawn_count = 0  # how many times the group was (re)started
         self.probe_failures = 0  # how many health probes found the group broken
+        self.recycles = 0  # how many times the group outgrew its headroom and was restarted
+        self._start_counts: list[tuple[int | None, int | None]] = []  # per rank: threads, fds
         self._procs: list = []
         self._conns: list = []
         self._stack_dir: str | None = None
@@ -138,6 +153,7 @@ class WorkerGroup:
                 self.kill()
                 raise WorkerGroupError(f"rank {rank} failed to join the process group: {msg[1]}")
         self.spawn_count += 1
+        self._start_counts = [self._counts(rank) for rank in range(self.world_size)]
 
     def close(self) -> None:
         """Ask workers to exit; kill whoever does not within a few seconds."""
@@ -186,7 +202,26 @@ class WorkerGroup:
         elif not clean and not self.healthy():
             self.probe_failures += 1
             self.kill()
+        elif self.outgrown():
+            self.recycles += 1
+            self.kill()
         return results
+
+    def _counts(self, rank: int) -> tuple[int | None, int | None]:
+        from conformance.runner.resources import fd_count, thread_count
+
+        pid = self._procs[rank].pid
+        return thread_count(pid), fd_count(pid)
+
+    def outgrown(self) -> bool:
+        """Whether some rank holds more threads or file descriptors than at start-up plus the
+        headroom (see [Note: bounded ranks]); False where ``/proc`` cannot tell."""
+        limits = (self.thread_headroom, self.fd_headroom)
+        for rank, start in enumerate(self._start_counts):
+            for now, then, headroom in zip(self._counts(rank), start, limits):
+                if None not in (now, then, headroom) and now > then + headroom:
+                    return True
+        return False
 
     def healthy(self) -> bool:
         """Whether every rank passes the health probe within ``probe_timeout`` seconds."""

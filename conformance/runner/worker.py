@@ -5,11 +5,14 @@ It ignores Ctrl-C (the driver owns shutdown), leads its own process group and di
 (see [Note: no orphans] in :mod:`conformance.runner.lifeline`), and dumps every thread's Python
 stack to its stack file when it receives ``SIGUSR1`` (the driver's way to see where a hung rank is).
 Besides tasks it answers :data:`~conformance.runner.protocol.PROBE` with :func:`health_probe`.
+Before it handles a message it releases what the previous task created (process groups and the
+caches that keep them alive; see [Note: per-check cleanup] in :mod:`conformance.runner.resources`).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import os
 import signal
@@ -46,6 +49,7 @@ def worker_main(
 
     from conformance.runner import protocol
     from conformance.runner.execute import execute
+    from conformance.runner.resources import LEDGER
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -72,15 +76,21 @@ def worker_main(
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
+    # What exists now lives as long as the process: keep it out of the garbage collector's scans,
+    # which makes the collection after each group-building check cheap (milliseconds).
+    gc.freeze()
     conn.send(("ready", os.getpid()))
     try:
         while True:
             task = conn.recv()
             if task is None:
                 break
+            # Every rank has answered the previous task before the driver sends anything new.
+            LEDGER.release()
             if task == protocol.PROBE:
                 conn.send(health_probe(rank, world_size, dev))
             else:
+                LEDGER.begin()
                 conn.send(execute(task, rank, world_size, dev, backend))
     except (EOFError, BrokenPipeError):  # the driver went away
         pass

@@ -123,3 +123,35 @@ def test_killing_a_group_ends_what_its_workers_started_and_removes_its_temp_dir(
         assert not os.path.exists(stack_dir), "the group's temporary directory was left behind"
     finally:
         g.close()
+
+
+CHURN = "tests.harness.selfchecks.resource_churn"
+
+
+def test_a_group_that_outgrows_its_thread_headroom_is_recycled():
+    """[Note: bounded ranks]: threads a check leaves running are not the rank's to stop; once a
+    rank holds more than its start-up count plus the headroom, the driver restarts the group."""
+    headroom = 16
+    g = WorkerGroup(2, grace=1.0, thread_headroom=headroom, fd_headroom=None)
+    try:
+        assert all(r.ok for r in g.run(Task(f"{CHURN}:census", None, {}, timeout=30)))
+        pids, recycles = g.pids(), g.recycles
+        left = g.run(Task(f"{CHURN}:start_idle_threads", None, {"count": 2 * headroom}, timeout=30))
+        assert all(r.ok for r in left), [r.detail for r in left]  # the check itself passed
+        assert g.recycles == recycles + 1 and not g.alive
+        after = g.run(Task(f"{CHURN}:census", None, {}, timeout=30))
+        assert all(r.ok for r in after) and g.pids() != pids
+        assert all(r.value["threads"] < v for r, v in zip(after, [x.value for x in left]))
+    finally:
+        g.close()
+
+
+def test_a_group_within_its_headroom_is_kept():
+    g = WorkerGroup(2, grace=1.0, thread_headroom=64, fd_headroom=None)
+    try:
+        assert all(r.ok for r in g.run(Task(f"{CHURN}:start_idle_threads", None, {}, timeout=30)))
+        pids = g.pids()
+        assert all(r.ok for r in g.run(Task(f"{CHURN}:census", None, {}, timeout=30)))
+        assert g.recycles == 0 and g.pids() == pids
+    finally:
+        g.close()
