@@ -145,7 +145,8 @@ def _module_root(name: str) -> Path | None:
     path = Path(origin).resolve()
     if path.name.startswith("__init__."):
         path = path.parent
-    return path.parents[len(name.split(".")) - 1]
+    depth = len(name.split("."))
+    return path.parents[depth - 1] if len(path.parents) >= depth else None
 
 
 @functools.cache
