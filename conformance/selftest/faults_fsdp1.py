@@ -642,3 +642,79 @@ fault(
     f"{TORCH}:_module_wrap_policy",
     "upstream: transformer_auto_wrap_policy / ModuleWrapPolicy as a callable match the exact type",
 )(_torch_exact_type_callable)
+
+
+# ------------------------------------------------------------ summon_full_params (R3-R5)
+def _forced_argument(name: str, value, position: int):
+    """``make`` that calls the original with argument ``name`` (positional index ``position``
+    when passed positionally) forced to ``value``."""
+
+    def make(original):
+        def replacement(*args, **kwargs):
+            if name in kwargs or len(args) <= position:
+                kwargs[name] = value
+            else:
+                args = (*args[:position], value, *args[position + 1 :])
+            return original(*args, **kwargs)
+
+        return replacement
+
+    return make
+
+
+fault(
+    "r1-summon-writeback-always",
+    "reference-fsdp1",
+    "R3",
+    "fsdp1_runtime",
+    f"{REF1}:_unshard_fsdp_state_params",
+    "summon_full_params(writeback=False) keeps the changes made inside (writes back anyway)",
+)(_forced_argument("writeback", True, 1))
+fault(
+    "r1-summon-writeback-never",
+    "reference-fsdp1",
+    "R3",
+    "fsdp1_runtime",
+    f"{REF1}:_unshard_fsdp_state_params",
+    "summon_full_params(writeback=True) discards the changes made inside",
+)(_forced_argument("writeback", False, 1))
+fault(
+    "r1-summon-rank0-only-ignored",
+    "reference-fsdp1",
+    "R4",
+    "fsdp1_runtime",
+    f"{REF1}:_unshard_fsdp_state_params",
+    "summon_full_params(rank0_only=True) unshards on every rank, not only on rank 0",
+)(_forced_argument("rank0_only", False, 2))
+fault(
+    "r1-summon-with-grads-ignored",
+    "reference-fsdp1",
+    "R4",
+    "fsdp1_runtime",
+    f"{REF1}:FlatParamHandle.use_unsharded_grad_views",
+    "summon_full_params(with_grads=True) leaves the sharded gradients in place of the full ones",
+)(replace_with(lambda self: None))
+fault(
+    "r1-summon-recurse-ignored",
+    "reference-fsdp1",
+    "R5",
+    "fsdp1_runtime",
+    f"{REF1}:_unshard_params",
+    "summon_full_params(recurse=False) unshards the nested units too",
+)(_forced_argument("recurse", True, 1))
+fault(
+    "t1-summon-writeback-never",
+    "torch-fsdp1",
+    "R3",
+    "fsdp1_runtime",
+    f"{TORCH}:_writeback_to_local_shard",
+    "upstream: summon_full_params(writeback=True) discards the changes made inside",
+)(replace_with(lambda handle, writeback_grad: None))
+fault(
+    "t1-summon-rank0-only-ignored",
+    "torch-fsdp1",
+    "R4",
+    "fsdp1_runtime",
+    f"{TORCH}:_unshard_fsdp_state_params",
+    "upstream: summon_full_params(rank0_only=True) unshards on every rank",
+)(_forced_argument("rank0_only", False, 3))

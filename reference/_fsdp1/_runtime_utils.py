@@ -254,11 +254,21 @@ def _unshard_params(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
-    """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``)."""
+    """``summon_full_params``: unshard every FSDP module under ``module`` (or only ``module``).
+
+    Refused before anything changes (upstream's AssertionError): a module inside forward/backward,
+    or one already inside ``summon_full_params`` (nesting works only over disjoint modules, e.g.
+    ``recurse=False`` on a parent, then an inner unit)."""
     own = [module] if isinstance(module, _FSDPState) else []
     states = _fsdp_modules(module) if recurse else own
     for state in states:
         _validate_unshard_params_args(state, writeback, rank0_only, offload_to_cpu, with_grads)
+        if state.training_state == TrainingState.FORWARD_BACKWARD:
+            raise AssertionError("Cannot manually unshard parameters during forward/backward")
+        if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            raise AssertionError(
+                "Cannot manually unshard parameters when already unsharding parameters"
+            )
     for state in states:
         _lazy_init(state)
     with contextlib.ExitStack() as stack:
