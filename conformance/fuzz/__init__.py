@@ -1,9 +1,9 @@
 """Differential fuzzing: random models and settings checked against a single-process oracle.
 
 [Note: how a fuzz case runs]
-A fuzz check (``conformance/checks/fuzz/fuzz.py``) is an ordinary registered check whose body takes one
-drawn *example*: a plain dict (see :mod:`conformance.fuzz.model`) that every rank turns into the
-same model, wrap plan and options. The check's pytest item (:class:`conformance.fuzz.item.FuzzItem`)
+A fuzz check (``conformance/checks/fuzz/fuzz.py``, ``state_dict.py``) is an ordinary registered
+check whose body takes one drawn *example*: a plain dict (see :mod:`conformance.fuzz.model`) that
+every rank turns into the same model, wrap plan and options. The check's pytest item (:class:`conformance.fuzz.item.FuzzItem`)
 runs hypothesis in the driver; each drawn example is sent to the persistent rank group as one task,
 so no process is spawned per example. A failing example is shrunk the same way and printed as a
 standalone script (:mod:`conformance.fuzz.repro`) that spawns the ranks itself and fails with the

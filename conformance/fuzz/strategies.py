@@ -40,7 +40,7 @@ in :mod:`conformance.fuzz`), so the fuzz exercises them on the reference and on 
   above): examples with mixed precision have no zero dims.
 
 Per-check steers are :class:`conformance.fuzz.Drop` s next to the checks
-(``conformance/checks/fuzz/drops.py``), e.g. torch-fsdp1's SHARDED_STATE_DICT load raises
+(``conformance/checks/fuzz/_drops.py``), e.g. torch-fsdp1's SHARDED_STATE_DICT load raises
 ``ZeroDivisionError`` for a module holding a zero-numel parameter (found by this fuzzer), so its
 ``sharded`` state-dict case draws no zero dims.
 
