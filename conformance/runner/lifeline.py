@@ -15,8 +15,10 @@
 * The checkpoint save jobs (conformance/checks/state_dict/reshard.py) are forked from a server
   process in the worker's process group that exits with the worker; each job rank asks for the
   death signal too.
-* Temporary directories carry the driver's pid in their name; a later run removes those whose
-  driver is gone (:func:`remove_stale_dirs`), which covers a driver killed with SIGKILL.
+* Temporary directories carry the driver's pid (or, for the checkpoint cache, that of the
+  forkserver the workers come from, a child of the driver) in their name; the driver removes its
+  own and its children's at exit, and a later run removes those whose process is gone
+  (:func:`remove_stale_dirs`), which covers a driver killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -113,16 +115,31 @@ def temp_dir(kind: str) -> str:
     return tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{kind}-{os.getpid()}-")
 
 
+def child_pids(pid: int) -> set[int]:
+    """The pids of ``pid``'s direct children (``/proc``; empty where there is none)."""
+    children = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            children.add(int(entry.name))
+    return children
+
+
 def remove_stale_dirs(owner: int | None = None) -> None:
-    """Remove the harness's temporary directories of process ``owner``, or (None) of every
-    process that no longer exists. The pid in a name is the driver's (the workers' parent)."""
+    """Remove the harness's temporary directories of process ``owner`` and of its children (the
+    forkserver the workers come from names the checkpoint cache: a worker's parent), or (None)
+    of every process that no longer exists. The pid in a name is the driver's or its child's."""
+    owners = {owner} | child_pids(owner) if owner is not None else set()
     for path in Path(tempfile.gettempdir()).glob(TEMP_PREFIX + "*"):
         match = _TEMP_NAME.fullmatch(path.name)
         if match is None:
             continue
         pid = int(match.group(1))
         if owner is not None:
-            if pid == owner:
+            if pid in owners:
                 shutil.rmtree(path, ignore_errors=True)
             continue
         try:

@@ -155,3 +155,27 @@ def test_a_group_within_its_headroom_is_kept():
         assert g.recycles == 0 and g.pids() == pids
     finally:
         g.close()
+
+
+def test_driver_exit_removes_the_temp_dirs_of_its_children(tmp_path, monkeypatch):
+    """The checkpoint cache is named by the workers' parent, the driver's forkserver child: the
+    driver's exit removes it along with its own, and leaves other processes' directories alone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from conformance.runner import lifeline
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = tmp_path / f"{lifeline.TEMP_PREFIX}sd-{child.pid}"
+        own = tmp_path / f"{lifeline.TEMP_PREFIX}ws2-{os.getpid()}-x"
+        other = tmp_path / f"{lifeline.TEMP_PREFIX}sd-{os.getppid()}"  # alive, not ours
+        for path in (mine, own, other):
+            path.mkdir()
+        lifeline.remove_stale_dirs(owner=os.getpid())
+        assert not mine.exists() and not own.exists() and other.exists()
+    finally:
+        child.kill()
+        child.wait()
