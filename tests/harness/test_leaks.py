@@ -75,3 +75,32 @@ def test_group_building_checks_leave_counts_flat(group):
                 f"rank {rank}: {now[rank]['lingering']} destroyed groups are still referenced"
             )
     assert group.pids() == pids and group.spawn_count == 1, "the group was restarted"
+
+
+def test_checkpoint_save_jobs_leave_counts_flat():
+    """``state_dict::reshard_dcp`` forks a save job (ranks of their own, from a server the rank
+    starts once): after each job the rank holds the threads, descriptors, child processes and
+    groups it held after the first."""
+    g = WorkerGroup(2, grace=5.0, thread_headroom=None, fd_headroom=None)
+    reshard = ("conformance.checks.state_dict.reshard:reshard_dcp", "torch-fsdp2", {"w1": 2})
+
+    def save_job_round():
+        _run(g, "forget_checkpoints")
+        results = g.run(Task(*reshard[:2], reshard[2], timeout=300))
+        assert all(r.ok for r in results), [r.detail for r in results]
+        return _run(g, "census")
+
+    try:
+        base = save_job_round()  # warm-up: starts the save-job server
+        for round_ in range(3):
+            now = save_job_round()
+            # the previous round's job wrote a fresh checkpoint (so a job did run)
+            assert _run(g, "forget_checkpoints")[0] >= 1
+            for rank in range(2):
+                for key in ("threads", "fds", "children", "groups"):
+                    assert now[rank][key] <= base[rank][key], (
+                        f"rank {rank} holds {now[rank][key]} {key} after save job "
+                        f"{round_ + 2}, {base[rank][key]} after the first"
+                    )
+    finally:
+        g.close()

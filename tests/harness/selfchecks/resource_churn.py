@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from conformance.runner import lifeline
 from conformance.runner.resources import LEDGER, fd_count, live_groups, thread_count
 
 
@@ -92,8 +93,25 @@ def census(ctx) -> dict:
         "fds": fd_count(),
         "groups": len(live_groups()),
         "lingering": LEDGER.lingering(),
+        "children": len(lifeline.child_pids(os.getpid())),
         "pid": os.getpid(),
     }
+
+
+def forget_checkpoints(ctx) -> int:
+    """Remove the run's checkpoint cache, so that the next ``state_dict::reshard_dcp`` starts a
+    save job again; returns how many checkpoints it held (rank 0; 0 elsewhere)."""
+    import shutil
+
+    from conformance.checks.state_dict import reshard
+
+    held = 0
+    if ctx.rank == 0:
+        root = reshard._cache_root()
+        held = len(list(root.glob("*-ws*"))) if root.exists() else 0
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    return held
 
 
 def start_idle_threads(ctx, count: int = 8) -> int:
