@@ -1,4 +1,4 @@
-"""Sessions: ``conformance`` (the main job), ``tests``, ``selftest``, ``perf``, ``lint``.
+"""Sessions: ``conformance`` (the main job), ``tests``, ``selftest``, ``perf``, ``lint``, ``versions``.
 
 The torch installed into every session is ``$FSDP_CONFORMANCE_TORCH`` — a pip requirement
 (``torch==2.13.0``, the default) or a path to a wheel: how a vendor tests its own torch build.
@@ -7,7 +7,11 @@ Virtualenvs are reused between runs (``.nox/``), so a second run starts in secon
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import sys
+from pathlib import Path
 
 import nox
 
@@ -119,6 +123,61 @@ def mutation(session: nox.Session) -> None:
     install_torch(session)
     session.install(MUTATION_ENGINE)
     session.run("python", "-m", "conformance.mutation", *session.posargs)
+
+
+# -- versions: the suite over several torch releases, one virtualenv per torch ------------------
+# The supported releases (README, "Torch versions"); each installs here (2.13.0 from the local CPU
+# wheel, the others as their PyPI builds). Override: $FSDP_CONFORMANCE_TORCH_VERSIONS (whitespace-
+# separated pip requirements or wheel paths) or requirements among the posargs.
+VERSIONS = "torch==2.11.0 torch==2.12.1 torch==2.13.0 torch==2.14.1"
+_TORCH_REQUIREMENT = re.compile(r"torch\s*(==|>=|<=|~=|!=|<|>|@)|.*\.whl$")
+
+
+def _versions_env(session: nox.Session, requirement: str) -> tuple[str, str]:
+    """(python of the virtualenv for ``requirement``, a file-name-safe label), the virtualenv
+    created under .nox/ on first use and then reused like the sessions' own."""
+    label = re.sub(
+        r"[^\w.+-]+", "_", Path(requirement).name if requirement.endswith(".whl") else requirement
+    )
+    env = Path(".nox") / f"versions-{label}"
+    python = env / "bin" / "python"
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(env), external=True)
+    session.run(str(python), "-m", "pip", "install", "-q", requirement, *TEST_DEPS, external=True)
+    extra = os.environ.get("FSDP_CONFORMANCE_EXTRA_PIP")
+    if extra:
+        session.run(str(python), "-m", "pip", "install", "-q", *extra.split(), external=True)
+    return str(python), label
+
+
+@nox.session
+def versions(session: nox.Session) -> None:
+    """The suite on each torch of a list, then one cross-version matrix: ``reports/versions.md``
+    and ``reports/versions.json`` (``conformance/versions.py``); each run's reports are in
+    ``reports/versions/<requirement>/``. The list: torch requirements or wheels among the
+    arguments after ``--``, else ``$FSDP_CONFORMANCE_TORCH_VERSIONS``, else the supported
+    releases; the other arguments go to every run (``nox -s versions -- torch==2.12.1
+    torch==2.14.1 --world-sizes 1,2``). Fails when a run fails, after writing the matrix."""
+    requirements = [a for a in session.posargs if _TORCH_REQUIREMENT.match(a)]
+    suite_args = [a for a in session.posargs if not _TORCH_REQUIREMENT.match(a)]
+    requirements = (
+        requirements or os.environ.get("FSDP_CONFORMANCE_TORCH_VERSIONS", VERSIONS).split()
+    )
+    reports, failed = [], []
+    for requirement in requirements:
+        python, label = _versions_env(session, requirement)
+        out = Path("reports") / "versions" / label
+        session.run(
+            python, "-m", "conformance", "--reports-dir", str(out), *suite_args,
+            external=True, success_codes=[0, 1],
+        )  # fmt: skip
+        reports.append(str(out / "conformance.json"))
+        summary = json.loads((out / "conformance.json").read_text()).get("summary", {})
+        if summary.get("fail"):
+            failed.append(f"{requirement} ({summary['fail']})")
+    session.run("python", "-m", "conformance.versions", *reports, "--output-dir", "reports")
+    if failed:
+        session.error(f"failures on {', '.join(failed)}: see reports/versions.md")
 
 
 LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]
