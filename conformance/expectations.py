@@ -2,13 +2,13 @@
 
 One entry per line::
 
-    <case-id prefix> [raises=<what>] [match=/<regex>/] <reason>
+    <case-id prefix> [torch<op><version>] [raises=<what>] [match=/<regex>/] <reason>
 
 * The **prefix** is the start of a case id ``<area>::<check>[ws<N>-<case>]`` (it must contain
   ``::``); ``*`` inside it matches any run of characters, so ``layout::flat_param_shard[ws*-zero-``
   covers every world size. When several entries match a case, the longest prefix wins.
 * The **signature** pins how the case fails, with one or both of these tokens right after the
-  prefix:
+  prefix (in any order, and in any order with the version marker):
 
   - ``raises=<what>``: the failure on a rank is the exception class ``<what>`` as the traceback's
     last line names it (``AssertionError``, ``RuntimeError``, ``torch.distributed.DistBackendError``
@@ -18,18 +18,18 @@ One entry per line::
     exception's message; for ``timeout``/``died`` the stack dump or exit reason). It may contain
     spaces; write a ``/`` inside it as ``\\/``.
 
-  - ``torch<op><version>[,...]``: a **version marker**; the entry applies only when the running
-    torch is in that range (``torch<2.14``, ``torch>=2.12,<2.14``, ``torch==2.14.*``; operators
-    ``== != < <= > >=``, ``.*`` with ``==`` / ``!=``; only the release numbers count, so
-    ``2.14.0a0+git..`` is 2.14.0; see :mod:`conformance.versions`). An entry whose marker excludes
-    the running torch is left out: it neither matches a case nor is reported stale. Two entries
-    for one case with disjoint markers pin how it fails on each side of a torch change.
-
-  A case matches the entry when at least one failed rank matches every token given (the version
-  marker is not part of the signature: an entry with only a marker is unpinned). A listed case
+  A case matches the entry when at least one failed rank matches every token given. A listed case
   that fails any other way is a plain failure whose message names the entry and says what did not
   match. An entry without a signature (allowed in your own files, never in the shipped ones)
   matches any failure and is reported as *unpinned*.
+* The **version marker** ``torch<op><version>[,<op><version>...]`` limits the entry to the torch
+  releases it admits (``torch<2.14``, ``torch>=2.12,<2.14``, ``torch==2.14.*``; operators
+  ``== != < <= > >=``, ``.*`` with ``==`` / ``!=`` only). Only the release numbers of the running
+  torch count, so ``2.13.0+cpu`` is 2.13.0 and ``2.14.0a0+git..`` is 2.14.0 (see
+  :mod:`conformance.versions`). An entry whose marker excludes the running torch is left out of
+  the run: it matches no case and is not reported stale. Two entries for one case with disjoint
+  markers pin how it fails on each side of a torch change. The marker is not a signature: an
+  entry with only a marker is unpinned.
 * The **reason** is mandatory: why the case fails, with the upstream issue when there is one.
 
 A listed case that fails as described is reported ``xfail``; if it passes instead, the run fails
