@@ -635,3 +635,11 @@ fault(
     "upstream: unused parameters are reduce-scattered as zero gradients without "
     "set_reduce_scatter_unused_params(True)",
 )(wrap(before=_reduce_unused))
+fault(
+    "ref-reduce-unused-ignored",
+    "reference",
+    "P19",
+    "training",
+    f"{REF}:FSDPModule.set_reduce_scatter_unused_params",
+    "set_reduce_scatter_unused_params(True) is ignored: unused parameters keep .grad None",
+)(replace_with(lambda self, reduce_scatter_unused_params, *, recurse=True: None))

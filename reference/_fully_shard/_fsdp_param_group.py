@@ -65,6 +65,7 @@ class FSDPParamGroup:
         self.reduce_grads = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        self.reduce_scatter_unused_params = False  # unused parameters: reduce zeros, not skip
 
     def lazy_init(self) -> None:
         """Once, before the first unshard: re-pad shards the user may have replaced since
@@ -178,8 +179,10 @@ class FSDPParamGroup:
                 fsdp_param.unsharded_accumulated_grad = None
             elif (grad := fsdp_param.unsharded_param.grad) is not None:
                 fsdp_param.unsharded_param.grad = None
+            elif self.reduce_scatter_unused_params and fsdp_param.sharded_param.requires_grad:
+                grad = torch.zeros_like(fsdp_param.unsharded_param)  # unused: a zero gradient
             else:
-                continue
+                continue  # unused: .grad stays None, so optimizers skip the parameter
             with_grad.append(fsdp_param)
             grads.append(fsdp_param.local_grad(grad))
         if self.reshard_after_backward:

@@ -160,6 +160,15 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """A parameter the forward did not use gets ``.grad`` None (default ``False``), or with
+        ``True`` a reduced zero gradient (every rank then joins the same reduce-scatter even when
+        control flow differs between ranks)."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
         for group in self._groups(recurse=False):

@@ -19,8 +19,6 @@ optimizers are those of ``fully_shard/unused_params.py``.
 
 from __future__ import annotations
 
-import torch
-
 from conformance.adapters import base
 from conformance.checks.fsdp1.training import (
     assert_orig_param_grads,
@@ -35,6 +33,7 @@ from conformance.checks.fully_shard.unused_params import (
     build,
     make_optimizer,
     step_losses,
+    zero_fill_unused,
 )
 from conformance.registry import check
 
@@ -51,14 +50,6 @@ CASES = {
         ("nested", "sgd-wd", True),
     )
 }
-
-
-def zero_fill_unused(oracle) -> None:
-    """FSDP1's rule applied to the oracle: an unused parameter of a unit that ran has a zero
-    gradient."""
-    for p in oracle.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
 
 
 @check(area="training", requires={base.TRAINING, base.FLAT_PARAM}, cases=CASES)

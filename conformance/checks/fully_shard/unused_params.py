@@ -85,6 +85,15 @@ def set_optional(model: nn.Module, used: bool) -> None:
             module.use_optional = used
 
 
+def zero_fill_unused(oracle) -> None:
+    """The rule for a model told to reduce unused parameters (FSDP1 always; FSDP2 after
+    ``set_reduce_scatter_unused_params(True)``) applied to the oracle: an unused parameter of a unit
+    that ran has a zero gradient."""
+    for p in oracle.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def make_optimizer(name: str, params):
     """Optimizers that move a parameter whose gradient is zero (not ``None``)."""
     if name == "sgd-wd":
@@ -115,7 +124,7 @@ def step_losses(ctx, model, oracle, step: int):
     assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
     for name in OPTIONAL:  # the oracle itself must show the case (else the check proves nothing)
         assert (oracle.get_parameter(name).grad is None) is not used, (
-            f"oracle step {step}: {name} used={used}"
+            f"{ctx.where()} the oracle at step {step}: {name} used={used} but its .grad says otherwise"
         )
 
 
@@ -132,13 +141,36 @@ def unused_param_grad_is_none(ctx, plan, optim):
     with ``.grad`` None on every rank (not a zero tensor); the used parameters' sharded gradients
     are the oracle's chunks, and after each SGD-with-momentum-and-weight-decay or AdamW step every
     parameter equals the oracle's, so an unused parameter does not move."""
+    run_unused(ctx, plan, optim, reduce_unused=False)
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
+    cases={"nested-sgd-wd": {"plan": "nested", "optim": "sgd-wd"}},
+)
+def unused_param_reduced_when_asked(ctx, plan, optim):
+    """P19: after ``set_reduce_scatter_unused_params(True)`` an unused parameter's ``.grad`` is a
+    zero DTensor (its chunk of zeros) on every rank instead of None, and training equals the oracle
+    whose unused gradients are zeros (weight decay and momentum move the parameter)."""
+    run_unused(ctx, plan, optim, reduce_unused=True)
+
+
+def run_unused(ctx, plan, optim, reduce_unused: bool):
+    """Train per :data:`SCHEDULE` next to the oracle and compare (see the module Note); with
+    ``reduce_unused`` the model is told to reduce unused parameters and the oracle's unused
+    gradients become zeros."""
     from torch.distributed.tensor import DTensor
 
     model, oracle = build(ctx, plan)
+    if reduce_unused:
+        model.set_reduce_scatter_unused_params(True)
     opt = make_optimizer(optim, model.parameters())
     oopt = make_optimizer(optim, oracle.parameters())
     for step in range(len(SCHEDULE)):
         step_losses(ctx, model, oracle, step)
+        if reduce_unused:
+            zero_fill_unused(oracle)
         for name, param in model.named_parameters():
             name = ctx.impl.clean_fqn(name)
             ref = oracle.get_parameter(name).grad
