@@ -178,6 +178,9 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int | No
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, out or ""
+    except BaseException:  # Ctrl-C / SIGTERM of the campaign: the run goes with it
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") -> dict:
@@ -203,6 +206,7 @@ def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") ->
         "conformance.mutation.coverage",
         "-p",
         "no:cacheprovider",
+        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
         "--reports-dir",
         str(reports_dir.resolve()),
         "-q",
@@ -256,7 +260,9 @@ def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
 
     impls = sorted({_WS.search(n).group(1) for n in cases})
     sizes = sorted({int(_WS.search(n).group(2)) for n in cases})
-    budget = args.timeout or 60 + 4 * sum(cov["duration"].get(n, 0.0) for n in cases)
+    # a safety net for a hang outside any check (e.g. at import): a fresh run's start-up alone
+    # takes 20-60 s on a loaded 2-core machine, so the budget starts well above that
+    budget = args.timeout or 300 + 5 * sum(cov["duration"].get(n, 0.0) for n in cases)
     module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
     run_reports = work / f"runs-{args.shard_i}of{args.shard_n}"
     cmd = [
@@ -276,6 +282,7 @@ def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
         "--tb=no",
         "-p",
         "no:cacheprovider",
+        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
         *cases,
     ]
     path = tree / mutant.file
@@ -372,6 +379,7 @@ def judge_batch(batch: list, tree: Path, work: Path, cov: dict, args) -> list[di
         "--tb=no",
         "-p",
         "no:cacheprovider",
+        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
         "-p",
         "conformance.mutation.live",
         *files,
@@ -456,6 +464,11 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
             if rec["status"] == "retry":
                 print(f"mutation: {mutant.id}: {rec['note']}; a fresh run judges it", flush=True)
                 process(mutant, prep)
+            elif rec["status"] == "timeout":
+                # a check that ran out of time in a shared run is judged again alone, so that a
+                # slow moment of a loaded machine is not taken for a hang
+                print(f"mutation: {mutant.id}: a check timed out; a fresh run confirms", flush=True)
+                process(mutant, prep)
             else:
                 emit(rec)
         batch.clear()
@@ -489,6 +502,7 @@ def load_session(paths: list[Path]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = (ROOT / args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     label = "merge" if args.merge else f"{args.shard_i}of{args.shard_n}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,7 +146,7 @@ TINY = [
     "--sample",
     "3",
     "--seed",
-    "5",
+    "4",
     "--files",
     "reference/_fully_shard/_shard_math.py",
     "--checks",
@@ -156,8 +157,18 @@ TINY = [
 
 
 def test_tiny_campaign_end_to_end(tmp_path):
-    """Three mutants of the sharding arithmetic, judged by the layout cases at world size 2."""
-    before = _digest(ROOT)
+    """Three mutants of the sharding arithmetic, judged by the layout cases at world size 2: with
+    seed 4, two in function bodies (judged in one shared run, by a code swap) and one in a
+    default argument (judged in a fresh run with the file rewritten in the copy).
+
+    It runs from a copy of the checkout (others may edit the real one meanwhile), whose
+    ``reference/`` must come out byte for byte as it went in."""
+    checkout = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("reference", "conformance"):
+        shutil.copytree(ROOT / name, checkout / name, ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", checkout / "pyproject.toml")
+    before = _digest(checkout)
     cmd = [
         sys.executable,
         "-m",
@@ -168,9 +179,9 @@ def test_tiny_campaign_end_to_end(tmp_path):
         "--reports-dir",
         str(tmp_path),
     ]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert _digest(ROOT) == before, "the campaign wrote into the checkout's reference/"
+    assert _digest(checkout) == before, "the campaign wrote into the checkout's reference/"
     last = run.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         r"mutation score: \d+/\d+ = (\d+\.\d%|n/a) \(survivors triaged \d+/\d+\)", last
@@ -178,14 +189,17 @@ def test_tiny_campaign_end_to_end(tmp_path):
     data = json.loads((tmp_path / "mutation.json").read_text())
     for key in ("sample", "seed", "killed", "survived", "timeout", "incompetent", "score"):
         assert key in data
-    assert data["sample"] == 3 and data["seed"] == 5 and data["pending"] == 0
+    assert data["sample"] == 3 and data["seed"] == 4 and data["pending"] == 0
     judged = data["killed"] + data["survived"] + data["timeout"] + data["incompetent"]
     assert judged + data["error"] == 3 and data["error"] == 0
     assert data["killed"] >= 1, data  # the layout cases see off-by-one arithmetic
     for s in data["survivors"]:
         assert {"id", "file", "line", "operator", "diff", "triage"} <= set(s)
+    (session,) = (tmp_path / "work").glob("session-*.jsonl")
+    records = [json.loads(line) for line in session.read_text().splitlines()]
+    assert {r["run"] for r in records} == {"live", "process"}, records
     # rerunning the same command resumes: nothing is judged twice
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "already judged 3" in again.stdout
     assert "mutation: [" not in again.stdout
