@@ -718,3 +718,12 @@ fault(
     f"{TORCH}:_unshard_fsdp_state_params",
     "upstream: summon_full_params(rank0_only=True) unshards on every rank",
 )(_forced_argument("rank0_only", False, 3))
+fault(
+    "r1-summon-recurse-dropped",
+    "reference-fsdp1",
+    "R3",
+    "fsdp1_runtime",
+    f"{REF1}:_unshard_params",
+    "summon_full_params(recurse=True) unshards only the given module's own unit (none for a "
+    "module that is not FSDP itself)",
+)(_forced_argument("recurse", False, 1))

@@ -299,3 +299,19 @@ def summon_nested(ctx, orig):
     after = shapes(ctx, model)
     assert after == before, f"{ctx.where()} after the nested summons: {after}, before: {before}"
     assert_params(ctx, model, dict(oracle.named_parameters()), "after the nested summons")
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, cases=ORIG)
+def summon_non_fsdp_module(ctx, orig):
+    """R3: ``summon_full_params`` on a module that is not FSDP itself (a ModuleDict holding the
+    sharded model) unshards every FSDP unit inside it: all parameters full inside, and a change
+    made inside persists with ``writeback=True``."""
+    ctx.seed(0)
+    part = TwoUnits().to(ctx.device)
+    oracle = nn.ModuleDict({"part": copy.deepcopy(part)})
+    holder = nn.ModuleDict({"part": ctx.impl.shard(part, ctx, plan=PLAN, use_orig_params=orig)})
+    FSDP = ctx.impl.ns.FullyShardedDataParallel
+    with FSDP.summon_full_params(holder):
+        assert_full(ctx, holder, oracle, "inside summon(non-FSDP holder)")
+        change(ctx, holder)
+    assert_params(ctx, holder, changed(oracle), "after summon(non-FSDP holder, writeback=True)")
