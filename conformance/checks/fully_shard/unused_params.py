@@ -12,8 +12,9 @@ everything is used, with optimizers for which a zero gradient would move them (S
 0.9 and weight decay 0.1, AdamW with weight decay 0.1).
 
 The oracle is the one of ``_shared/oracle.py`` (rank r feeds its ``B`` samples, the oracle the
-global batch); the checks compare, each step, the losses, which parameters have a gradient, the sharded
-gradients (the oracle's chunk) and, after each optimizer step, every parameter's full value.
+global batch); the checks compare, each step, the losses, which parameters have a gradient, the
+sharded gradients (the oracle's chunk) and, after each optimizer step, every parameter's full
+value.
 FSDP1's rule differs (a flat gradient covers used and unused parameters alike); its check lives
 in ``conformance/checks/fsdp1/unused_params.py`` and uses the same model.
 """
