@@ -4,6 +4,7 @@ conformance.json reports."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,35 @@ def test_support_warning_only_outside_the_range(version, inside):
     else:
         assert f"torch {version} is outside the supported range {versions.SUPPORTED}" in warning
         assert "\n" not in warning
+
+
+def test_a_run_on_a_torch_outside_the_range_says_so_in_one_line_at_start(tmp_path):
+    """The driver's torch reports a version above the range (set by a sitecustomize before the
+    run starts); the run prints the one warning line and goes on (collect-only here)."""
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.99.0'\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "--impl",
+            "tests.harness.fake_impl:FakeImpl",
+            "--check-dir",
+            "tests/harness/selfchecks",
+            "--world-sizes",
+            "2",
+            "-k",
+            "selftest and passes",
+            "--collect-only",
+            "-q",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = [ln for ln in out.splitlines() if "outside the supported range" in ln]
+    assert lines == [versions.support_warning("2.99.0")], out
