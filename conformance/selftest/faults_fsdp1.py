@@ -727,3 +727,29 @@ fault(
     "summon_full_params(recurse=True) unshards only the given module's own unit (none for a "
     "module that is not FSDP itself)",
 )(_forced_argument("recurse", False, 1))
+
+
+def _packed_used_grads(original):
+    def _reduce_grad(self, grad_padded):
+        # the bug: the unsharded flat gradient is packed from the parameters that got a gradient
+        # (all-zero segments dropped, zeros appended), so later parameters shift into the gaps
+        fp = self.flat_param
+        n = fp._unpadded_unsharded_size.numel()
+        segments = torch.split(grad_padded[:n], list(fp._numels_with_padding))
+        kept = [s for s in segments if s.abs().max().item() if s.numel()]
+        packed = torch.cat(kept) if kept else grad_padded[:0]
+        fill = grad_padded.new_zeros(grad_padded.numel() - packed.numel())
+        return original(self, torch.cat([packed, fill]))
+
+    return _reduce_grad
+
+
+fault(
+    "r1-unused-flat-grad-packed",
+    "reference-fsdp1",
+    "R1",
+    "training",
+    f"{REF1}:FlatParamHandle._reduce_grad",
+    "the flat gradient drops unused parameters' (zero) ranges and packs the rest, shifting later "
+    "parameters' gradients",
+)(_packed_used_grads)
