@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.adapters.base import NotSupported
 from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.training import (
     FP32,
@@ -165,6 +166,8 @@ def run_unused(ctx, plan, optim, reduce_unused: bool):
 
     model, oracle = build(ctx, plan)
     if reduce_unused:
+        if not hasattr(model, "set_reduce_scatter_unused_params"):  # a torch before the API
+            raise NotSupported("FSDPModule.set_reduce_scatter_unused_params")
         model.set_reduce_scatter_unused_params(True)
     opt = make_optimizer(optim, model.parameters())
     oopt = make_optimizer(optim, oracle.parameters())
