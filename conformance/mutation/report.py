@@ -22,7 +22,14 @@ at, keyed by the mutant's fingerprint (see :func:`conformance.mutation.populatio
     mutant = "..."
     needs = "one line"
 
-A survivor is triaged when it has an entry of either kind; equivalent ones leave the score's M.
+    [[killed]]                  # a gap closed since: the check that kills it now
+    fingerprint = "..."
+    mutant = "..."
+    by = "area::check[case]"
+
+A survivor is triaged when it has an entry of any kind; equivalent ones leave the score's M. A
+``killed`` entry only matters for a session judged before that check existed (a rerun on the new
+tree kills the mutant outright).
 """
 
 from __future__ import annotations
@@ -62,9 +69,8 @@ def load_triage(path: Path) -> dict[str, dict]:
         return {}
     data = tomllib.loads(path.read_text())
     entries = {}
-    for kind in ("equivalent", "gap"):
+    for kind, field in (("equivalent", "reason"), ("gap", "needs"), ("killed", "by")):
         for entry in data.get(kind, []):
-            field = "reason" if kind == "equivalent" else "needs"
             if not entry.get("fingerprint") or not entry.get(field):
                 raise SystemExit(
                     f"mutation: {path}: every [[{kind}]] needs a fingerprint and a {field}: {entry}"
@@ -125,6 +131,8 @@ def _survivor_entry(r: dict) -> dict:
         triage = "untriaged"
     elif t["kind"] == "equivalent":
         triage = f"equivalent: {t['reason']}"
+    elif t["kind"] == "killed":
+        triage = f"killed by {t['by']} (a check added after this campaign)"
     else:
         triage = f"gap: {t['needs']}"
     return {
