@@ -203,3 +203,29 @@ def test_tiny_campaign_end_to_end(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     assert "already judged 3" in again.stdout
     assert "mutation: [" not in again.stdout
+
+
+def test_kill_order_takes_one_case_per_check_first():
+    from conformance.mutation.run import _kill_order
+
+    cases = ["a.py::x[r-ws1-1]", "a.py::x[r-ws1-2]", "a.py::y[r-ws1-1]", "b.py::z[r-ws2-1]"]
+    duration = {cases[0]: 0.3, cases[1]: 0.1, cases[2]: 0.5, cases[3]: 0.2}
+    assert _kill_order(cases, duration) == [cases[1], cases[3], cases[2], cases[0]]
+
+
+def test_a_killed_entry_names_its_check(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[[killed]]\nfingerprint = "abc"\nby = "area::check[case]"\n')
+    record = {
+        "status": "survived",
+        "fingerprint": "abc",
+        "part": "wrap",
+        "operator": "core/NumberReplacer",
+        "seconds": 1.0,
+        "cases": 1,
+    }
+    summary = report.summarise([record], report.load_triage(path))
+    assert summary["scored"] == 1 and summary["killed"] == 0  # still a survivor of its session
+    assert report._survivor_entry(
+        record | {"id": "i", "file": "f", "line": 1, "diff": "", "note": ""}
+    )["triage"].startswith("killed by area::check[case]")
