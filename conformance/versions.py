@@ -152,9 +152,11 @@ def _first_line(message: str) -> str:
 
 def matrix(reports: list[tuple[Path, dict]]) -> dict:
     """The cross-version matrix of loaded reports, in the order given (oldest torch first reads
-    best). Per torch: its report, totals and wall time; per case whose outcome differs between the
-    reports (or that is missing from some): the outcome on each, and the message of each outcome
-    other than pass."""
+    best). Per torch: its report, totals and wall time. ``changed``: every case whose outcome
+    differs between the reports it is in, with the outcome on each (None where it did not run) and
+    the message of each outcome other than pass. ``partial``: cases missing from some report (the
+    suite itself changed between the runs) with one outcome wherever they ran; ``unchanged``: how
+    many cases have one outcome in every report."""
     labels: list[str] = []
     columns = []
     for path, doc in reports:
@@ -181,13 +183,17 @@ def matrix(reports: list[tuple[Path, dict]]) -> dict:
     for label, (_, doc) in zip(labels, reports):
         for c in doc["cases"]:
             cases.setdefault((c["impl"], c["id"]), {})[label] = c
-    changed, unchanged = [], 0
+    changed, partial, unchanged = [], [], 0
     for (impl, case_id), by_label in sorted(cases.items()):
         outcomes = {
             label: by_label[label]["outcome"] if label in by_label else None for label in labels
         }
-        if len(set(outcomes.values())) == 1:
-            unchanged += 1
+        present = {o for o in outcomes.values() if o is not None}
+        if len(present) == 1:  # the same wherever it ran
+            if None in outcomes.values():  # not in every report (the suite changed between runs)
+                partial.append({"impl": impl, "id": case_id, "outcomes": outcomes})
+            else:
+                unchanged += 1
             continue
         changed.append(
             {
@@ -201,7 +207,7 @@ def matrix(reports: list[tuple[Path, dict]]) -> dict:
                 },
             }
         )
-    return {"versions": columns, "changed": changed, "unchanged": unchanged}
+    return {"versions": columns, "changed": changed, "partial": partial, "unchanged": unchanged}
 
 
 def markdown(doc: dict) -> str:
@@ -219,7 +225,7 @@ def markdown(doc: dict) -> str:
         )
     out += ["", f"## Cases whose outcome differs between versions ({len(doc['changed'])})", ""]
     if not doc["changed"]:
-        out.append(f"None: all {doc['unchanged']} cases have the same outcome on every torch.")
+        out.append(f"None: all {doc['unchanged']} cases in every report have the same outcome.")
     else:
         out += ["| case | implementation | " + " | ".join(labels) + " | messages |"]
         out += ["|---|---|" + "---|" * len(labels) + "---|"]
@@ -232,6 +238,17 @@ def markdown(doc: dict) -> str:
                 + f" | {notes.replace('|', '/')} |"
             )
         out += ["", f"{doc['unchanged']} other cases have the same outcome on every torch."]
+    if doc["partial"]:
+        missing = {
+            label: sum(c["outcomes"][label] is None for c in doc["partial"]) for label in labels
+        }
+        out += [
+            "",
+            f"{len(doc['partial'])} cases are not in every report (the suite changed between the "
+            "runs) and have one outcome wherever they ran; missing per torch: "
+            + ", ".join(f"{label} {n}" for label, n in missing.items())
+            + " (listed in versions.json under 'partial').",
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -101,8 +101,15 @@ def test_matrix_lists_exactly_the_cases_whose_outcome_differs():
         ),
         ("torch-fsdp1", "wrap::mp_warning[ws2-never]"): dict(zip(labels, ["pass", "pass", "fail"])),
         ("reference", "layout::rows[ws2]"): dict(zip(labels, ["pass", "pass", "skip"])),
-        ("torch-fsdp1", "layout::new_check[ws2]"): dict(zip(labels, [None, "pass", "pass"])),
     }
+    # a case the older run did not have is not a change of behaviour
+    assert doc["partial"] == [
+        {
+            "impl": "torch-fsdp1",
+            "id": "layout::new_check[ws2]",
+            "outcomes": dict(zip(labels, [None, "pass", "pass"])),
+        }
+    ]
     assert doc["unchanged"] == 2  # torch-fsdp1 layout::rows, reference fuzz::layout
     by_id = {c["id"]: c for c in doc["changed"]}
     assert by_id["wrap::mp_warning[ws2-never]"]["messages"] == {
@@ -113,15 +120,16 @@ def test_matrix_lists_exactly_the_cases_whose_outcome_differs():
     md = versions.markdown(doc)
     assert "| 2.12.1+cu130 | 3 | 1 | 0 | 0 | 1 | 300 s |" in md
     assert "| `wrap::mp_warning[ws2-never]` | torch-fsdp1 | pass | pass | fail |" in md
-    assert "| `layout::new_check[ws2]` | torch-fsdp1 | — | pass | pass |" in md
-    assert "## Cases whose outcome differs between versions (4)" in md
+    assert "new_check" not in md.split("other cases")[0]
+    assert "1 cases are not in every report" in md and "2.12.1+cu130 1, 2.13.0+cpu 0" in md
+    assert "## Cases whose outcome differs between versions (3)" in md
 
 
 def test_matrix_of_identical_runs_says_none_differ_and_keeps_two_builds_of_one_torch_apart():
     doc = versions.matrix([(Path("a.json"), R213), (Path("b.json"), R213)])
     assert [v["label"] for v in doc["versions"]] == ["2.13.0+cpu", "2.13.0+cpu (2)"]
     assert doc["changed"] == [] and doc["unchanged"] == 6
-    assert "None: all 6 cases have the same outcome on every torch." in versions.markdown(doc)
+    assert "None: all 6 cases in every report have the same outcome." in versions.markdown(doc)
 
 
 def test_cli_writes_md_and_json_and_rejects_a_non_report(tmp_path):
@@ -136,7 +144,7 @@ def test_cli_writes_md_and_json_and_rejects_a_non_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     written = json.loads((tmp_path / "out" / "versions.json").read_text())
     assert [v["label"] for v in written["versions"]] == ["2.12.1+cu130", "2.14.1+cu130"]
-    assert len(written["changed"]) == 4
+    assert len(written["changed"]) == 3 and len(written["partial"]) == 1
     assert (tmp_path / "out" / "versions.md").read_text() == proc.stdout
     (tmp_path / "bad.json").write_text(json.dumps({"no": "cases"}))
     bad = subprocess.run(
