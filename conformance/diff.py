@@ -88,7 +88,7 @@ _XPASS = re.compile(
 )
 
 
-def _outcome(case: dict) -> str:
+def outcome_of(case: dict) -> str:
     """The case's outcome, with a strict XPASS (recorded as ``fail``) told apart as ``xpass``."""
     if case["outcome"] == "fail" and _XPASS.match(case.get("message") or ""):
         return XPASS
@@ -129,8 +129,8 @@ def compare(old: dict, new: dict) -> Diff:
     after = {key(c): c for c in new["cases"]}
     diff = Diff(versions=_versions(old, new))
     for k in sorted(set(before) | set(after)):
-        was = _outcome(before[k]) if k in before else None
-        now = _outcome(after[k]) if k in after else None
+        was = outcome_of(before[k]) if k in before else None
+        now = outcome_of(after[k]) if k in after else None
         change = Change(k[0], k[1], was, now)
         if now == XPASS:
             change.message = _xpass_note(after[k])

@@ -153,8 +153,9 @@ def _first_line(message: str) -> str:
 def matrix(reports: list[tuple[Path, dict]]) -> dict:
     """The cross-version matrix of loaded reports, in the order given (oldest torch first reads
     best). Per torch: its report, totals and wall time. ``changed``: every case whose outcome
-    differs between the reports it is in, with the outcome on each (None where it did not run) and
-    the message of each outcome other than pass. ``partial``: cases missing from some report (the
+    differs between the reports it is in, with the outcome on each (None where it did not run;
+    ``xpass`` for an expected failure that passed, which the totals count as a fail) and the
+    message of each outcome other than pass and xpass. ``partial``: cases missing from some report (the
     suite itself changed between the runs) with one outcome wherever they ran; ``unchanged``: how
     many cases have one outcome in every report."""
     labels: list[str] = []
@@ -179,6 +180,8 @@ def matrix(reports: list[tuple[Path, dict]]) -> dict:
                 "interrupted": bool(doc.get("interrupted")),
             }
         )
+    from conformance.diff import XPASS, outcome_of  # a strict XPASS reads "xpass", as in diff
+
     cases: dict[tuple[str, str], dict[str, dict]] = {}
     for label, (_, doc) in zip(labels, reports):
         for c in doc["cases"]:
@@ -186,7 +189,7 @@ def matrix(reports: list[tuple[Path, dict]]) -> dict:
     changed, partial, unchanged = [], [], 0
     for (impl, case_id), by_label in sorted(cases.items()):
         outcomes = {
-            label: by_label[label]["outcome"] if label in by_label else None for label in labels
+            label: outcome_of(by_label[label]) if label in by_label else None for label in labels
         }
         present = {o for o in outcomes.values() if o is not None}
         if len(present) == 1:  # the same wherever it ran
@@ -203,7 +206,7 @@ def matrix(reports: list[tuple[Path, dict]]) -> dict:
                 "messages": {
                     label: _first_line(c.get("message", ""))
                     for label, c in by_label.items()
-                    if c["outcome"] != "pass" and c.get("message")
+                    if outcome_of(c) not in ("pass", XPASS) and c.get("message")
                 },
             }
         )
