@@ -277,7 +277,7 @@ def test_sigkill_of_the_driver_takes_the_workers_and_the_save_job_with_it(tmp_pa
 
     def save_job_running():  # the save-job server and at least one job rank (forked from it)
         cmdlines = _processes_with_marker(marker).values()
-        return sum("state_dict_reshard" in c for c in cmdlines) >= 2
+        return sum("state_dict.reshard" in c for c in cmdlines) >= 2
 
     assert _wait_for(save_job_running, 120), "the save job never started"
     time.sleep(1)
