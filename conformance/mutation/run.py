@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.merge:
         mine = drawn[args.shard_i - 1 :: args.shard_n]
-        done = load_session([session]) if session.exists() else {}
+        done = load_session(session_paths(work, key))  # any shard's verdicts count
         todo = [m for m in mine if m.id not in done]
         print(
             f"mutation: population {len(everything)}, drawn {len(drawn)} (seed {args.seed}), "
