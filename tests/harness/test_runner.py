@@ -179,3 +179,17 @@ def test_driver_exit_removes_the_temp_dirs_of_its_children(tmp_path, monkeypatch
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_sub_group_left_with_a_collective_pending_does_not_block_the_next_check():
+    """The release of the groups a check created happens before the next message (here the
+    health probe): a sub-group with a collective pending on one rank is destroyed or the group
+    restarted, and the next check runs within its own time either way."""
+    g = WorkerGroup(2, grace=1.0)
+    try:
+        results = g.run(Task(f"{CHURN}:pending_on_subgroup", None, {}, timeout=30))
+        assert [r.status for r in results] == ["ok", "error"], [r.detail for r in results]
+        after = g.run(Task(f"{CHURN}:all_reduce_ranks", None, {}, timeout=15))
+        assert [r.value for r in after] == [3.0, 3.0], [r.detail for r in after]
+    finally:
+        g.close()

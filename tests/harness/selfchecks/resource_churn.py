@@ -120,3 +120,19 @@ def start_idle_threads(ctx, count: int = 8) -> int:
     for _ in range(count):
         threading.Thread(target=stop.wait, daemon=True).start()
     return thread_count()
+
+
+def pending_on_subgroup(ctx) -> None:
+    """Every rank builds a sub-group; rank 1 starts an all-reduce on it that no other rank
+    joins, then raises (the release of a group with a collective pending must not hang)."""
+    group = dist.new_group(list(range(ctx.world_size)))
+    if ctx.rank == 1:
+        dist.all_reduce(torch.ones(1), group=group, async_op=True)
+        raise RuntimeError("rank 1 gives up with an all-reduce pending on a sub-group")
+
+
+def all_reduce_ranks(ctx) -> float:
+    """An ordinary all-reduce over the default group: the sum of rank + 1."""
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value)
+    return value.item()
