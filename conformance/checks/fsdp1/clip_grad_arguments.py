@@ -22,8 +22,7 @@ import math
 
 import torch
 
-from conformance.checks.fsdp1.clip_grad_norm import CLIP, full_grads, oracle_clip
-from conformance.checks.fully_shard.training import (
+from conformance.checks._shared.oracle import (
     MODELS,
     PLANS,
     B,
@@ -31,6 +30,7 @@ from conformance.checks.fully_shard.training import (
     make_batch,
     per_sample_loss,
 )
+from conformance.checks.fsdp1.clip_grad_norm import CLIP, full_grads, oracle_clip
 from conformance.registry import check
 
 TINY_NORM = 1e-6

@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 
 from conformance.adapters import base
-from conformance.checks.fsdp1.training import flat_grads
-from conformance.checks.fully_shard.training import (
+from conformance.checks._shared.oracle import (
     MODELS,
     PLANS,
     B,
@@ -40,6 +39,7 @@ from conformance.checks.fully_shard.training import (
     make_batch,
     per_sample_loss,
 )
+from conformance.checks.fsdp1.training import flat_grads
 from conformance.registry import check
 
 CLIP = {base.TRAINING, base.FLAT_PARAM, base.FSDP1_RUNTIME}

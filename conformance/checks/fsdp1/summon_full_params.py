@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fully_shard.training import FP32, assert_close
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME}

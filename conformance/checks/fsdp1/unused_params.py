@@ -20,13 +20,13 @@ optimizers are those of ``fully_shard/unused_params.py``.
 from __future__ import annotations
 
 from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks.fsdp1.training import (
     assert_orig_param_grads,
     assert_params_equal_oracle,
     expected_flat_chunk,
     flat_grads,
 )
-from conformance.checks.fully_shard.training import FP32, assert_close
 from conformance.checks.fully_shard.unused_params import (
     OPTIONAL,
     SCHEDULE,

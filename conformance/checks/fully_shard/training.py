@@ -13,19 +13,13 @@ import copy
 import torch
 
 from conformance.adapters import base
-
-# FP32, MODELS and make_optimizer are unused here: kept importable from this module for the modules
-# that still import the oracle from it (new code imports from conformance.checks._shared.oracle)
-from conformance.checks._shared.oracle import (  # noqa: F401
-    FP32,
+from conformance.checks._shared.oracle import (
     MLP,
-    MODELS,
     PLANS,
     B,
     assert_close,
     local_chunk,
     make_batch,
-    make_optimizer,
     named_unique,
     per_sample_loss,
     run_parity,

@@ -28,8 +28,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
-from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.training import (
+from conformance.checks._shared.oracle import (
     FP32,
     B,
     assert_close,
@@ -37,6 +36,7 @@ from conformance.checks.fully_shard.training import (
     per_sample_loss,
     shard_dim,
 )
+from conformance.checks._shared.rows import chunk_of
 from conformance.registry import check
 
 # step -> whether the optional parameters (``side.gate``, ``skip``) take part; step 0 uses them,

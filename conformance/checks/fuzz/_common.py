@@ -17,9 +17,9 @@ import torch
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
+from conformance.checks._shared.oracle import assert_close, local_chunk
 from conformance.checks._shared.rows import chunk_size
 from conformance.checks._shared.sd_models import assert_loaded, expected_state_dict, full_params
-from conformance.checks.fully_shard.training import assert_close, local_chunk
 from conformance.fuzz import model as fm
 from conformance.fuzz import strategies as fs
 
