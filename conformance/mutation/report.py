@@ -132,7 +132,7 @@ def _survivor_entry(r: dict) -> dict:
     elif t["kind"] == "equivalent":
         triage = f"equivalent: {t['reason']}"
     elif t["kind"] == "killed":
-        triage = f"killed by {t['by']} (a check added after this campaign)"
+        triage = f"killed by {t['by']}"
     else:
         triage = f"gap: {t['needs']}"
     return {
