@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
 from torch.distributed.utils import _apply_to_tensors, _to_kwargs
 from torch.utils._pytree import tree_leaves
 
@@ -33,11 +33,12 @@ from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState, _cast_fp_tensor
 from ._fsdp_param_group import FSDPParamGroup
 
-_module_to_state: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
-
 
 def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
-    return _module_to_state.get(module)
+    """The reference ``FSDPState`` of ``module``, found through torch's composable-API state map
+    (see [Note: where a module's state lives] in ``_fully_shard.py``); ``None`` for any other."""
+    state = _get_module_state(module)
+    return state if isinstance(state, FSDPState) else None
 
 
 class FSDPStateContext:
@@ -49,7 +50,7 @@ class FSDPStateContext:
         self.post_backward_final_callback_queued = False
 
 
-class FSDPState:
+class FSDPState(_State):
     """The hooks and bookkeeping of one ``fully_shard`` call over ``modules``.
 
     ``_fsdp_param_group`` is ``None`` when the modules manage no parameters (the state still
@@ -70,7 +71,7 @@ class FSDPState:
         self._training_state = TrainingState.IDLE
         self._modules_to_run_forward: set[nn.Module] = set()  # grouped fully_shard only
         for module in modules:
-            _module_to_state[module] = self
+            _insert_module_state(module, self)  # a weak reference: the module holds the state
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, prepend=False)

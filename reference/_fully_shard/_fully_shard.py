@@ -4,6 +4,14 @@
 nested ``fully_shard``) into one :class:`FSDPParamGroup`, registers the forward hooks, and swaps
 the module's class to a dynamic subclass ``FSDP<Name>`` of ``(FSDPModule, <Name>)`` so that the
 methods below become available on it. Apply it bottom-up: to each block, then to the root.
+
+[Note: where a module's state lives]
+As upstream, the module itself holds its ``FSDPState``: in the composable-API slots torch keeps in
+``module.__dict__`` (the state under ``STATE_KEY``, keyed by ``fully_shard``; the name
+``"fully_shard"`` in the API registry under ``REGISTRY_KEY``), and torch's module-to-state map holds
+a weak reference to it. So the state lives exactly as long as its module, and tools that recognise
+``fully_shard`` modules through that bookkeeping (``_get_registry``, ``_get_module_state``: DCP,
+``replicate``'s composability check) see the reference as they see upstream.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.utils import _get_root_modules
@@ -90,8 +99,11 @@ def fully_shard(
             params, modules, mesh_info, post_forward_mesh_info, device,
             placements.get, mp_policy, offload_policy,
         )  # fmt: skip
-    FSDPState(modules, device, mp_policy, auto_reshard_after_forward)._fsdp_param_group = group
-    for m in modules:  # swap in the FSDP<Name> class
+    state = FSDPState(modules, device, mp_policy, auto_reshard_after_forward)
+    state._fsdp_param_group = group
+    for m in modules:  # the module holds its state (see the Note); swap in the FSDP<Name> class
+        m.__dict__.setdefault(STATE_KEY, {})[fully_shard] = state
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
         cls = type(m)
         if cls not in cls_to_fsdp_cls:
             dct = {"__deepcopy__": _unimplemented_deepcopy}
