@@ -98,13 +98,8 @@ _LINEAGES: dict[str, tuple[str, ...]] = {}
 
 
 def parent_name(impl) -> str | None:
-    """The implementation ``impl`` inherits from: its ``inherits``, else (the self-test's alias,
-    kept while something uses it) an ``expectations_name`` other than its own name."""
-    parent = getattr(impl, "inherits", None)
-    if parent is None:
-        alias = getattr(impl, "expectations_name", None)
-        parent = alias if alias not in (None, impl.name) else None
-    return parent
+    """The implementation ``impl`` inherits from (its ``inherits``), or None."""
+    return getattr(impl, "inherits", None)
 
 
 def lineage(impl) -> tuple[str, ...]:

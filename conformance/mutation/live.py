@@ -128,7 +128,6 @@ class MutantAdapter(Implementation):
         self.inner = load_implementation(entry["impl"])
         self.name = name
         self.inherits = self.inner.name
-        self.expectations_name = getattr(self.inner, "expectations_name", self.inner.name)
         self.capabilities = self.inner.capabilities
         self.description = entry["id"]
         self._plan = None

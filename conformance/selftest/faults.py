@@ -4,9 +4,9 @@ A :class:`Fault` breaks exactly one rule of one implementation (a built-in: ``re
 ``reference-fsdp1``, ``torch-fsdp2``, ``torch-fsdp1``) by replacing one target (see
 :mod:`conformance.selftest._patching`) while a check runs. :class:`FaultAdapter` is that
 implementation's adapter under another name (``fault-<id>``) whose :meth:`patched` applies the fault
-on every rank; it inherits the broken implementation's known deviations (``inherits``,
-``expectations_name``), so a case that fails the documented way is an expected failure, not a
-catch, and its fuzz cases draw the control's examples.
+on every rank; it inherits the broken implementation's known deviations (``inherits``), so a
+case that fails the documented way is an expected failure, not a catch, and its fuzz cases draw
+the control's examples.
 """
 
 from __future__ import annotations
@@ -102,10 +102,9 @@ class FaultAdapter(Implementation):
         self.inner = load_implementation(fault.impl)
         self.name = fault.adapter_name
         self.capabilities = self.inner.capabilities
-        self.expectations_name = getattr(self.inner, "expectations_name", self.inner.name)
         # Its control's known deviations (expectations, fuzz drops) are its own, so that it draws
         # the control's fuzz examples: a catch is then a failure the fault caused (see score).
-        self.inherits = getattr(self.inner, "inherits", None) or self.inner.name
+        self.inherits = self.inner.name  # and, transitively, whatever the control inherits
         self.description = fault.description
 
     @property

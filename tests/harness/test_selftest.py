@@ -96,7 +96,7 @@ def test_fault_specs_load_as_implementations():
     fault = FAULTS["ref-rs-sum-not-avg"]
     impl = load_implementation(fault.spec)
     assert impl.name == "fault-ref-rs-sum-not-avg"
-    assert impl.expectations_name == "reference"
+    assert impl.inherits == "reference"
     assert impl.capabilities == load_implementation("reference").capabilities
     assert impl.ns.__name__ == "reference"  # what the API-level checks use
 
