@@ -26,6 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance.diff import ReportError
+from conformance.diff import load as load_report
+
 SUPPORTED = "torch>=2.11,<2.15"
 
 _OPS = ("==", "!=", "<=", ">=", "<", ">")
@@ -119,23 +122,6 @@ def support_warning(torch_version: str) -> str | None:
 
 
 # ---------------------------------------------------------------- the cross-version matrix
-class ReportError(Exception):
-    """A file is not a readable conformance report."""
-
-
-def load_report(path: Path) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"{path}: cannot read a JSON report ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
-        raise ReportError(
-            f"{path}: not a conformance report (no 'cases' list); pass the conformance.json "
-            "files of the runs to compare"
-        )
-    return doc
-
-
 def _label(doc: dict, path: Path, taken: set[str]) -> str:
     label = str(doc.get("torch") or path.parent.name)
     n = 2

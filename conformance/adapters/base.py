@@ -231,6 +231,47 @@ class Implementation:
         return f"<{type(self).__name__} {self.name} {self.version}>"
 
 
+class RenamedImplementation(Implementation):
+    """Another implementation's adapter under a new name, for a subclass to change around each
+    check through :meth:`patched` (the self-test's seeded faults, the mutation campaign's mutants).
+
+    It declares what the inner implementation declares and inherits its known deviations
+    (``inherits`` = the inner name, resolved on from there), delegates every operation of
+    :class:`Implementation` to it (one added to the base class later is delegated too), and looks
+    anything else a check reaches for (``ns``, ``FSDP``, ``fsdp_params`` ...) up on it."""
+
+    def __init__(self, inner_spec: str, name: str, description: str = ""):
+        from conformance.adapters.registry import load_implementation
+
+        self.inner = load_implementation(inner_spec)
+        self.name = name
+        self.capabilities = self.inner.capabilities
+        self.inherits = self.inner.name
+        self.description = description
+
+    @property
+    def version(self) -> str:
+        return self.inner.version
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name, _value in list(vars(Implementation).items()):
+    if callable(_value) and not _name.startswith("_") and _name != "patched":
+        setattr(RenamedImplementation, _name, _delegate(_name))
+
+
 class NamespaceImplementation(Implementation):
     """An implementation that keeps upstream's public API in one module (``namespace``), such as
     ``torch.distributed.fsdp`` or ``reference``: checks of API behaviour reach it as ``self.ns``."""

@@ -31,7 +31,7 @@ import os
 import re
 import types
 
-from conformance.adapters.base import Implementation
+from conformance.adapters.base import RenamedImplementation
 
 BATCH_ENV = "FSDP_MUTATION_BATCH"  # path of the batch file (JSON, see run.live_batch)
 NOT_APPLIED = "MUTANT-NOT-APPLIED"
@@ -118,18 +118,12 @@ def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.Functi
     return [(target, code)]
 
 
-class MutantAdapter(Implementation):
+class MutantAdapter(RenamedImplementation):
     """The mutated built-in's adapter, renamed, with the mutant swapped in around each check."""
 
     def __init__(self, name: str, entry: dict):
-        from conformance.adapters.registry import load_implementation
-
         self.entry = entry
-        self.inner = load_implementation(entry["impl"])
-        self.name = name
-        self.inherits = self.inner.name
-        self.capabilities = self.inner.capabilities
-        self.description = entry["id"]
+        super().__init__(entry["impl"], name, entry["id"])
         self._plan = None
 
     @property
@@ -149,24 +143,6 @@ class MutantAdapter(Implementation):
         finally:
             for (fn, _), code in zip(self._plan, originals):
                 fn.__code__ = code
-
-    def __getattr__(self, name: str):
-        if name in ("inner", "entry"):  # not set yet (e.g. while unpickling)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-def _delegate(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-for _name, _value in vars(Implementation).items():
-    if callable(_value) and not _name.startswith("_") and _name != "patched":
-        setattr(MutantAdapter, _name, _delegate(_name))
 
 
 def __getattr__(name: str):

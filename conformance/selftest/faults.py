@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conformance.adapters.base import Implementation
+from conformance.adapters.base import RenamedImplementation
 from conformance.selftest import _patching
 
 BUILTIN_TARGETS = ("reference", "reference-fsdp1", "torch-fsdp2", "torch-fsdp1")
@@ -92,20 +92,14 @@ def replace_with(function):
     return lambda original: function
 
 
-class FaultAdapter(Implementation):
-    """The broken implementation's adapter, renamed, with the fault applied around each check."""
+class FaultAdapter(RenamedImplementation):
+    """The broken implementation's adapter, renamed, with the fault applied around each check.
+    Its control's known deviations (expectations, fuzz drops) are its own, so it draws the
+    control's fuzz examples: a catch is then a failure the fault caused (see score)."""
 
     def __init__(self, fault: Fault):
-        from conformance.adapters.registry import load_implementation
-
         self.fault = fault
-        self.inner = load_implementation(fault.impl)
-        self.name = fault.adapter_name
-        self.capabilities = self.inner.capabilities
-        # Its control's known deviations (expectations, fuzz drops) are its own, so that it draws
-        # the control's fuzz examples: a catch is then a failure the fault caused (see score).
-        self.inherits = self.inner.name  # and, transitively, whatever the control inherits
-        self.description = fault.description
+        super().__init__(fault.impl, fault.adapter_name, fault.description)
 
     @property
     def version(self) -> str:
@@ -113,27 +107,6 @@ class FaultAdapter(Implementation):
 
     def patched(self):
         return _patching.patch(self.fault.target, self.fault.make)
-
-    # Operations the base class defines are delegated by _delegate below (so that one added to
-    # the base class later is delegated too); anything else the checks reach for (``ns``,
-    # ``FSDP``, ``fsdp_params`` ...) goes through __getattr__.
-    def __getattr__(self, name: str):
-        if name in ("inner", "fault"):  # not set yet (e.g. while unpickling)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-def _delegate(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-for _name, _value in vars(Implementation).items():
-    if callable(_value) and not _name.startswith("_") and _name != "patched":
-        setattr(FaultAdapter, _name, _delegate(_name))
 
 
 def adapter_factory(fault_id: str) -> Callable[[], FaultAdapter]:
