@@ -643,3 +643,25 @@ fault(
     f"{REF}:FSDPModule.set_reduce_scatter_unused_params",
     "set_reduce_scatter_unused_params(True) is ignored: unused parameters keep .grad None",
 )(replace_with(lambda self, reduce_scatter_unused_params, *, recurse=True: None))
+fault(
+    "ref-raf-setter-no-recurse",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPModule.set_reshard_after_forward",
+    "set_reshard_after_forward(flag) changes the unit it is called on only, never the units below",
+)(
+    lambda original: (
+        lambda self, reshard_after_forward, recurse=True: original(
+            self, reshard_after_forward, recurse=False
+        )
+    )
+)
+fault(
+    "ref-rab-setter-ignored",
+    "reference",
+    "P2",
+    "states",
+    f"{REF}:FSDPModule.set_reshard_after_backward",
+    "set_reshard_after_backward(False) is ignored: parameters are resharded after backward",
+)(replace_with(lambda self, reshard_after_backward, *, recurse=True: None))
