@@ -160,6 +160,35 @@ def _env(**extra) -> dict:
     return env
 
 
+def _run_reports(args, work: Path) -> Path:
+    """Where this shard's conformance runs write their reports (each run replaces the last)."""
+    return work / f"runs-{args.shard_i}of{args.shard_n}"
+
+
+def _suite_command(args, work: Path, tree: Path, impls, sizes, *rest: str) -> list[str]:
+    """``python -m conformance`` over the copy ``tree`` for ``impls`` at ``sizes``, quiet, into
+    :func:`_run_reports`; ``rest`` adds options and the node ids or files to run."""
+    return [
+        sys.executable,
+        "-m",
+        "conformance",
+        "--impl",
+        ",".join(impls),
+        "--world-sizes",
+        ",".join(map(str, sizes)),
+        "--check-timeout",
+        f"{args.check_timeout:g}",
+        "--reports-dir",
+        str(_run_reports(args, work).resolve()),
+        "-q",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
+        *rest,
+    ]
+
+
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group; ``(None, output)`` when it ran out of time."""
     proc = subprocess.Popen(
@@ -264,27 +293,7 @@ def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
     # takes 20-60 s on a loaded 2-core machine, so the budget starts well above that
     budget = args.timeout or 300 + 5 * sum(cov["duration"].get(n, 0.0) for n in cases)
     module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-    run_reports = work / f"runs-{args.shard_i}of{args.shard_n}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "conformance",
-        "--impl",
-        ",".join(coverage.SPECS[i] for i in impls),
-        "--world-sizes",
-        ",".join(map(str, sizes)),
-        "--check-timeout",
-        f"{args.check_timeout:g}",
-        "--reports-dir",
-        str(run_reports.resolve()),
-        "-x",
-        "-q",
-        "--tb=no",
-        "-p",
-        "no:cacheprovider",
-        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
-        *cases,
-    ]
+    cmd = _suite_command(args, work, tree, [coverage.SPECS[i] for i in impls], sizes, "-x", *cases)
     path = tree / mutant.file
     path.write_text(mutated)
     try:
@@ -299,7 +308,7 @@ def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
     if code == 0:
         return done("survived", f"{len(cases)} case(s) passed")
     if code == 1:
-        failed = _failures(run_reports)
+        failed = _failures(_run_reports(args, work))
         if failed:
             hung = all("did not finish within" in c["message"] for c in failed)
             return done("timeout" if hung else "killed", killer=failed[0]["id"])
@@ -373,28 +382,9 @@ def judge_batch(batch: list, tree: Path, work: Path, cov: dict, args) -> list[di
     batch_file.write_text(json.dumps({"adapters": adapters, "order": order}))
     sizes = sorted({int(_WS.search(n).group(2)) for n in order})
     files = sorted({n.split("::", 1)[0] for n in order})
-    run_reports = work / f"runs-{args.shard_i}of{args.shard_n}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "conformance",
-        "--impl",
-        ",".join(f"conformance.mutation.live:{a}" for a in adapters),
-        "--world-sizes",
-        ",".join(map(str, sizes)),
-        "--check-timeout",
-        f"{args.check_timeout:g}",
-        "--reports-dir",
-        str(run_reports.resolve()),
-        "-q",
-        "--tb=no",
-        "-p",
-        "no:cacheprovider",
-        f"--rootdir={tree.resolve()}",  # node ids relative to the copy, whatever paths follow
-        "-p",
-        "conformance.mutation.live",
-        *files,
-    ]
+    run_reports = _run_reports(args, work)
+    impls = [f"conformance.mutation.live:{a}" for a in adapters]
+    cmd = _suite_command(args, work, tree, impls, sizes, "-p", "conformance.mutation.live", *files)
     budget = 120 + 4 * sum(cov["duration"].get(n, 0.0) for _, p in batch for n in p["cases"])
     budget += len(batch) * args.check_timeout  # each mutant may hang one check
     started = time.monotonic()
