@@ -167,6 +167,9 @@ def write(records, *, drawn, missing, args, population, triage_path, reports_dir
         "incompetent": c.get("incompetent", 0),
         "error": c.get("error", 0),
         "equivalent": sum(e["triage"].startswith("equivalent") for e in survivors),
+        # verdicts taken over from an earlier session of the same draw (run.py --carry)
+        "carried": sum(bool(r.get("carried")) for r in records),
+        "carried_from": sorted({r["carried"] for r in records if r.get("carried")}),
         "score": s["score"],
         "score_ci95_wilson": s["ci95"],
         "score_k": s["killed"],
@@ -218,6 +221,16 @@ def _markdown(d: dict, line: str) -> str:
         f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, error {d['error']}; "
         f"median {d['median_s_per_mutant']} s per mutant run, {d['total_s']} s in all.",
         "",
+        *(
+            [
+                f"{d['carried']} verdicts (kills, timeouts, incompetent) were carried unjudged "
+                f"from {', '.join(d['carried_from'])} (`--carry`); the rest were judged on "
+                "this suite.",
+                "",
+            ]
+            if d["carried"]
+            else []
+        ),
         f"Survivors since killed by a named check (triage [[killed]]): {d['triaged_kills']}; "
         f"counting them, the score is {d['score_with_triaged_kills']}.",
         "",

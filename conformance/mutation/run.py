@@ -89,6 +89,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--ids", default="", help="run only these mutant ids (comma-separated)")
     p.add_argument("--merge", action="store_true", help="only merge the session files and report")
+    p.add_argument(
+        "--carry",
+        default="",
+        help="an earlier campaign's session file(s) (comma-separated; globs allowed): their kills, "
+        "timeouts and incompetent verdicts for mutants of this draw are taken over unjudged and "
+        "marked carried; survivors and errors are judged again on the current suite (see "
+        "[Note: carried verdicts])",
+    )
     p.add_argument("--list", action="store_true", help="list the drawn mutants and exit")
     p.add_argument(
         "--triage",
@@ -487,6 +495,31 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
     flush_batch()
 
 
+# [Note: carried verdicts]
+# After checks are added for a campaign's survivors, the same draw is judged again with
+# ``--carry <old session>``: only the survivors (and errors) of the old session run again; its
+# kills are copied into the new session with ``carried`` naming the file they came from. That is
+# sound while the suite only grew since (a kill by a check that still exists stays a kill); when
+# checks were changed or removed, run the draw afresh instead. A mutant is carried only when its
+# fingerprint (the mutated text) is the same, so an edited reference line is judged anew.
+CARRIED = ("killed", "timeout", "incompetent")
+
+
+def carried_verdicts(spec: str, work: Path) -> dict[str, dict]:
+    """id -> the verdict to take over from the session files ``spec`` names."""
+    paths = []
+    for part in (x.strip() for x in spec.split(",") if x.strip()):
+        found = sorted(Path().glob(part)) if any(c in part for c in "*?[") else [Path(part)]
+        if not found or not all(f.is_file() for f in found):
+            raise SystemExit(f"mutation: --carry {part!r}: no such session file (see {work})")
+        paths += found
+    return {
+        i: dict(rec, carried=", ".join(p.name for p in paths))
+        for i, rec in load_session(paths).items()
+        if rec["status"] in CARRIED
+    }
+
+
 def session_paths(work: Path, key: str) -> list[Path]:
     return sorted(work.glob(f"session-{key}-*.jsonl"))
 
@@ -540,6 +573,21 @@ def main(argv: list[str] | None = None) -> int:
         mine = drawn[args.shard_i - 1 :: args.shard_n]
         done = load_session(session_paths(work, key))  # any shard's verdicts count
         todo = [m for m in mine if m.id not in done]
+        if args.carry:
+            old = carried_verdicts(args.carry, work)
+            take = [
+                old[m.id]
+                for m in todo
+                if m.id in old
+                and old[m.id]["fingerprint"]
+                == population.fingerprint(m, *population.mutated_source(tree, m))
+            ]
+            with open(session, "a") as out:
+                for rec in take:
+                    out.write(json.dumps(rec) + "\n")
+            taken = {rec["id"] for rec in take}
+            todo = [m for m in todo if m.id not in taken]
+            print(f"mutation: --carry: {len(take)} verdict(s) taken over unjudged", flush=True)
         print(
             f"mutation: population {len(everything)}, drawn {len(drawn)} (seed {args.seed}), "
             f"shard {args.shard}: {len(mine)}, already judged {len(mine) - len(todo)}; "
