@@ -157,10 +157,25 @@ def _describe(c: Change) -> str:
     return f"{c.case_id} on {c.impl}: {outcome}" + (f" ({c.message})" if c.message else "")
 
 
+def _partial(doc: dict) -> str:
+    """`` (INTERRUPTED by SIGINT: partial)`` for a report of a run that did not finish."""
+    if not doc.get("interrupted"):
+        return ""
+    return f" (INTERRUPTED by {doc.get('signal') or 'a signal'}: partial; cases it never ran count as vanished or appeared)"
+
+
 def _header(old_path, new_path, old: dict, new: dict) -> list[tuple[str, str]]:
     return [
-        ("old", f"{old_path} ({old.get('created', '?')}, torch {old.get('torch', '?')})"),
-        ("new", f"{new_path} ({new.get('created', '?')}, torch {new.get('torch', '?')})"),
+        (
+            "old",
+            f"{old_path} ({old.get('created', '?')}, torch {old.get('torch', '?')})"
+            + _partial(old),
+        ),
+        (
+            "new",
+            f"{new_path} ({new.get('created', '?')}, torch {new.get('torch', '?')})"
+            + _partial(new),
+        ),
     ]
 
 
@@ -223,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conformance diff: {exc}", file=sys.stderr)
         return 2
     diff = compare(old, new)
+    for path, doc in ((args.old, old), (args.new, new)):
+        if doc.get("interrupted"):
+            print(
+                f"conformance diff: warning: {path} is a partial report{_partial(doc)}",
+                file=sys.stderr,
+            )
     render = markdown if args.markdown else text
     output = render(diff, _header(args.old, args.new, old, new))
     sys.stdout.write(output)

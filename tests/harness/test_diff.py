@@ -189,3 +189,13 @@ def test_cli_unreadable_report_exits_two_and_says_what_to_pass(tmp_path, content
     )
     assert proc.returncode == 2
     assert "bad.json" in proc.stderr and "report" in proc.stderr
+
+
+def test_cli_warns_when_a_report_is_partial(tmp_path):
+    old = report([case("layout::b[ws2]", "pass"), case("layout::c[ws2]", "pass")])
+    new = report([case("layout::b[ws2]", "pass")]) | {"interrupted": True, "signal": "SIGINT"}
+    proc = _run(tmp_path, old, new)
+    assert "new.json is a partial report (INTERRUPTED by SIGINT" in proc.stderr, proc.stderr
+    assert "(INTERRUPTED by SIGINT: partial;" in proc.stdout.splitlines()[1], proc.stdout
+    quiet = _run(tmp_path, old, report([case("layout::b[ws2]", "pass")]))
+    assert "partial" not in quiet.stderr + quiet.stdout
