@@ -167,9 +167,11 @@ def versions(session: nox.Session) -> None:
     for requirement in requirements:
         python, label = _versions_env(session, requirement)
         out = Path("reports") / "versions" / label
+        # failures print a rerun line for this torch: FSDP_CONFORMANCE_TORCH=... nox -s conformance
+        launcher = {"FSDP_CONFORMANCE_LAUNCHER": "nox", "FSDP_CONFORMANCE_TORCH": requirement}
         session.run(
             python, "-m", "conformance", "--reports-dir", str(out), *suite_args,
-            external=True, success_codes=[0, 1],
+            external=True, success_codes=[0, 1], env=launcher,
         )  # fmt: skip
         reports.append(str(out / "conformance.json"))
         summary = json.loads((out / "conformance.json").read_text()).get("summary", {})
