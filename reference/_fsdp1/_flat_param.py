@@ -335,14 +335,16 @@ class FlatParamHandle:
         grad = self.flat_param.grad
         if not self.uses_sharded_strategy and grad is not None:
             for p, g in zip(self._orig_params, self.unflatten(grad)):
-                p.grad = g if g.dtype == p.dtype else None
+                _set_grad(p, g)
             return
         for i, p in enumerate(self._orig_params):
             info = self.flat_param._shard_param_infos[i]
-            if grad is None or not info.in_shard or grad.dtype != p.dtype:
+            if grad is None or not info.in_shard:
                 p.grad = None
             else:
-                p.grad = grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                _set_grad(
+                    p, grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                )
 
     @torch.no_grad()
     def use_unsharded_grad_views(self) -> None:
@@ -403,8 +405,11 @@ class FlatParamHandle:
             self._gathered_for_backward.clear()
             self.reshard()
         grad = self.flat_param.grad
-        if self._keep_low_precision_grads and self.uses_sharded_strategy and grad is not None:
-            grad.data = grad.to(self._compute_dtype)  # the optimizer sees the compute dtype
+        if self._keep_low_precision_grads and grad is not None:
+            # The optimizer sees the low precision: the compute dtype after a reduce-scatter,
+            # the reduce dtype where nothing is sharded (NO_SHARD never casts back).
+            low = self._compute_dtype if self.uses_sharded_strategy else self._reduce_dtype
+            grad.data = grad.to(low)
         if self._use_orig_params:
             self._use_sharded_grad_views()
 
@@ -413,6 +418,18 @@ class FlatParamHandle:
         the flat gradient they were views of is dropped too."""
         if self._use_orig_params and all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
+
+
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a low-precision ``grad`` of an fp32 ``param``
+    (``keep_low_precision_grads``): torch refuses a ``.grad`` of another dtype on assignment, so
+    that gradient goes in through ``.data`` of a placeholder of the parameter's shape."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    if param.grad is None or param.grad.shape != param.shape:
+        param.grad = torch.empty_like(param)
+    param.grad.data = grad
 
 
 def all_gather_single(output, input, group) -> None:  # Note: collective names
