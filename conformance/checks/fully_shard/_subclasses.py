@@ -11,7 +11,8 @@ tensors to free; on later all-gathers FSDP passes ``out=`` (the unsharded parame
 first result), whose storage the new all-gather has refilled.
 ``Pair1`` has the legacy 1-argument pre hook ``(mesh)``; ``Pair5`` the 5-argument one
 ``(mesh, outer_size, outer_stride, module, mp_policy)``, which pads its inputs to the padded shard
-size when the local shard is shorter (uneven dim 0).
+size when the local shard is shorter (uneven dim 0); ``Flat5`` returns its one input flattened
+to 1-D (allowed for an even dim 0 only).
 Every hook call is appended to :data:`LOG` (clones of what it saw) for the checks to inspect.
 """
 
@@ -141,6 +142,21 @@ class Single5(Pair5):
             mesh, outer_size, outer_stride, module, mp_policy
         )
         return (a,), {**metadata, "single": True}
+
+
+class Flat5(Single5):
+    """Single5 whose pre hook hands FSDP its input flattened to 1-D: a size other than the shard's,
+    which FSDP takes as it is when dim 0 is even (the post hook folds it back to rows)."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        (a,), metadata = super().fsdp_pre_all_gather(
+            mesh, outer_size, outer_stride, module, mp_policy
+        )
+        return (a.reshape(-1),), {**metadata, "row_shape": tuple(outer_size[1:])}
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        rows = tuple(t.view(-1, *metadata["row_shape"]) for t in all_gather_outputs)
+        return super().fsdp_post_all_gather(rows, metadata, param_dtype, out=out)
 
 
 # -- broken extensions: the error contracts (P14) ----------------------------------------------

@@ -6,7 +6,10 @@
   ``(mesh, outer_size, outer_stride, module, mp_policy)``; ``mesh`` is the 1-D shard mesh,
   ``outer_size``/``outer_stride`` the parameter's global size and stride, ``module`` the module
   that owns the parameter. It returns ``(all_gather_inputs, metadata)``; for an uneven dim 0 each
-  input must already have the padded shard size (``ceil(d0/ws)`` rows).
+  input must already have the padded shard size (``ceil(d0/ws)`` rows); for an even one FSDP takes
+  inputs of any size as they are (``pre5-even-flat-inputs``: the shard flattened to 1-D). The
+  uneven error is raised only on the ranks with a short shard while rank 0 enters the all-gather,
+  so no check provokes it (it would hang the others).
 * FSDP all-gathers every input (each one is the ranks' inputs concatenated in rank order) and calls
   the post hook with ``(outputs, metadata, param_dtype)``: the first time with ``out=None`` (it
   returns ``(unsharded, tensors_to_free)``), every later time with ``out=`` the unsharded parameter
@@ -26,7 +29,7 @@ from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values, expect_error
 from conformance.checks._shared.rows import chunk_of, chunk_range
 from conformance.checks.fully_shard import _subclasses
-from conformance.checks.fully_shard._subclasses import Pair1, Pair5, Single5
+from conformance.checks.fully_shard._subclasses import Flat5, Pair1, Pair5, Single5
 from conformance.registry import check
 
 
@@ -50,6 +53,8 @@ CASES = {
     "pre5-even": {"cls": Pair5, "uneven": False},
     "pre5-uneven": {"cls": Pair5, "uneven": True},
     "pre5-uneven-one-input": {"cls": Single5, "uneven": True},
+    # inputs of another shape than the shard (1-D) are taken as they are for an even dim 0
+    "pre5-even-flat-inputs": {"cls": Flat5, "uneven": False},
 }
 
 
