@@ -53,6 +53,7 @@ def wrap_api(ctx, name: str):
     for module_name in (
         f"{base_name}.wrap",
         f"{base_name}._wrap_utils",
+        f"{base_name}.wrap._wrap_utils",
         f"{base_name}.wrap._wrap_plan",
     ):
         try:

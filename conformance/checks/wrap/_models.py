@@ -245,7 +245,9 @@ def _lin5() -> nn.Linear:
 class StatesModel(nn.Module):
     """W16's model: ``seq1`` Seq(L, L) with buffer ``seq1_buffer``, ``lin`` L, ``seq2``
     Seq(Seq(L), L) with buffer ``seq2.1.seq2_1_buffer``; L = Linear(5, 5, bias=False). ``share``:
-    "parent-child" ties ``seq2.0.0.weight`` to ``lin.weight``, "siblings" to ``seq1.0.weight``."""
+    "parent-child" ties ``seq2.0.0.weight`` to ``lin.weight``, "siblings" to ``seq1.0.weight``;
+    "module-and-child" ties nothing and registers ``seq2.0.0.weight`` on ``seq2.0`` too, as
+    ``seq2.0.tied`` (its first name in ``named_parameters()``)."""
 
     def __init__(self, share: str):
         super().__init__()
@@ -254,4 +256,8 @@ class StatesModel(nn.Module):
         self.lin = _lin5()
         self.seq2 = nn.Sequential(nn.Sequential(_lin5()), _lin5())
         self.seq2[1].register_buffer("seq2_1_buffer", torch.zeros(3))
-        self.seq2[0][0].weight = self.lin.weight if share == "parent-child" else self.seq1[0].weight
+        if share == "module-and-child":
+            self.seq2[0].register_parameter("tied", self.seq2[0][0].weight)
+        else:
+            tie = self.lin if share == "parent-child" else self.seq1[0]
+            self.seq2[0][0].weight = tie.weight

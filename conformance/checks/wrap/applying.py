@@ -168,24 +168,26 @@ def _states_by_name(model: nn.Module, states) -> dict[str, tuple[set[str], set[s
     }
 
 
+# The states of the parent-child share: the parent walks first (modules() order) and takes it.
+_PARENT_CHILD = {
+    "": ({"lin.weight"}, set()),
+    "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
+    "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+    "seq2.0": (set(), set()),
+}
+
+# case -> (StatesModel share, LCA variant, policy, {unit: (params, buffers)}); the policy selects
+# the Sequential modules: ModuleWrapPolicy({Sequential}) ("module", callable) or CustomPolicy
+# (isinstance Sequential) ("custom", a _Policy that is not callable: W20)
 W16_CASES = {
-    # shared parameter between a parent unit (root, through lin) and a child unit (seq2.0): the
-    # parent walks first (modules() order) and takes it
-    "parent-child": (
-        "parent-child",
-        False,
-        {
-            "": ({"lin.weight"}, set()),
-            "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
-            "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
-            "seq2.0": (set(), set()),
-        },
-    ),
+    # shared parameter between a parent unit (root, through lin) and a child unit (seq2.0)
+    "parent-child": ("parent-child", False, "module", _PARENT_CHILD),
     # shared between siblings (seq1.0 and seq2.0.0), LCA variant: their lowest common ancestor's
     # unit (the root) takes it
     "siblings-lca": (
         "siblings",
         True,
+        "module",
         {
             "": ({"lin.weight", "seq1.0.weight"}, set()),
             "seq1": ({"seq1.1.weight"}, {"seq1.seq1_buffer"}),
@@ -197,6 +199,7 @@ W16_CASES = {
     "ignored-param": (
         "parent-child",
         False,
+        "module",
         {
             "": ({"lin.weight"}, set()),
             "seq1": ({"seq1.0.weight"}, {"seq1.seq1_buffer"}),
@@ -204,7 +207,29 @@ W16_CASES = {
             "seq2.0": (set(), set()),
         },
     ),
+    # W20: a _Policy that is not callable selects the units FSDP1's auto-wrap builds with it (the
+    # Sequential modules), so the states are those of parent-child
+    "custom-policy": ("parent-child", False, "custom", _PARENT_CHILD),
+    # W20, LCA variant: registered on seq2.0 (as tied) and on its child seq2.0.0, so the lowest
+    # module holding both registrations is seq2.0 itself, a unit: it goes there, not to seq2
+    "module-and-child-lca": (
+        "module-and-child",
+        True,
+        "module",
+        {
+            "": ({"lin.weight"}, set()),
+            "seq1": ({"seq1.0.weight", "seq1.1.weight"}, {"seq1.seq1_buffer"}),
+            "seq2": ({"seq2.1.weight"}, {"seq2.1.seq2_1_buffer"}),
+            "seq2.0": ({"seq2.0.tied"}, set()),
+        },
+    ),
 }
+
+
+def _w16_policy(W, kind: str):
+    if kind == "custom":
+        return W.CustomPolicy(lambda m: isinstance(m, nn.Sequential))
+    return W.ModuleWrapPolicy({nn.Sequential})
 
 
 @check(
@@ -214,18 +239,20 @@ W16_CASES = {
     cases={k: {"case": k} for k in W16_CASES},
 )
 def module_to_states(ctx, case):
-    """W16 (seed era; removed upstream in torch 2.13, so not supported there):
+    """W16, W20 (seed era; removed upstream in torch 2.13, so not supported there):
     ``_get_fully_sharded_module_to_states`` maps the root and each unit ModuleWrapPolicy({Sequential})
     selects, in modules() order, to the parameters and buffers it owns: a shared parameter goes to
-    the first unit walking to it (or, LCA variant, to the unit of the lowest common ancestor); an
-    ignored parameter goes to no unit."""
+    the first unit walking to it (or, LCA variant, to the unit of the lowest module holding all its
+    registrations: a module registering it and that module's child → that module's unit); an
+    ignored parameter goes to no unit; a CustomPolicy (a _Policy that is not callable) selecting
+    the same modules gives the same units and states."""
     try:
         states_of = wrap_api(ctx, "_get_fully_sharded_module_to_states")
     except NotSupported as exc:
         raise NotSupported(f"{exc}: a seed-era helper, removed upstream in torch 2.13") from None
-    share, lca, want = W16_CASES[case]
+    share, lca, policy_kind, want = W16_CASES[case]
     model = zoo.StatesModel(share)
-    policy = ctx.impl.ns.wrap.ModuleWrapPolicy({nn.Sequential})
+    policy = _w16_policy(ctx.impl.ns.wrap, policy_kind)
     kwargs = {"assign_shared_params_to_lca": True} if lca else {}
     ignored = {model.seq1[1].weight} if case == "ignored-param" else set()
     states = states_of(model, policy, set(), ignored, **kwargs)
