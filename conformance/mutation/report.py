@@ -157,7 +157,8 @@ def write(records, *, drawn, missing, args, population, triage_path, reports_dir
     c = s["counts"]
     data = {
         "sample": drawn,
-        "seed": args.seed,
+        "seed": None if getattr(args, "draw_from", "") else args.seed,
+        "drawn_from": getattr(args, "draw_from", "") or None,
         "population": population,
         "judged": len(records),
         "pending": missing,
@@ -214,8 +215,13 @@ def _markdown(d: dict, line: str) -> str:
     out = [
         "# Mutation campaign",
         "",
-        f"Sample {d['sample']} of {d['population']} mutants (seed {d['seed']}), world sizes "
-        f"{d['world_sizes']}; judged {d['judged']}, pending {d['pending']}.",
+        (
+            f"Sample {d['sample']} of {d['population']} mutants (seed {d['seed']}), world sizes "
+            if not d["drawn_from"]
+            else f"Sample: the {d['sample']} mutants of {d['drawn_from']} found again by "
+            f"fingerprint among {d['population']}, world sizes "
+        )
+        + f"{d['world_sizes']}; judged {d['judged']}, pending {d['pending']}.",
         "",
         f"killed {d['killed']}, timeout {d['timeout']}, survived {d['survived']} "
         f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, error {d['error']}; "

@@ -90,6 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ids", default="", help="run only these mutant ids (comma-separated)")
     p.add_argument("--merge", action="store_true", help="only merge the session files and report")
     p.add_argument(
+        "--draw-from",
+        default="",
+        help="draw the mutants of an earlier campaign instead of --sample/--seed: those of its "
+        "session file(s) (comma-separated; globs allowed), found again by fingerprint, so the same "
+        "draw survives edits that moved lines of reference/",
+    )
+    p.add_argument(
         "--carry",
         default="",
         help="an earlier campaign's session file(s) (comma-separated; globs allowed): their kills, "
@@ -500,24 +507,33 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
 # ``--carry <old session>``: only the survivors (and errors) of the old session run again; its
 # kills are copied into the new session with ``carried`` naming the file they came from. That is
 # sound while the suite only grew since (a kill by a check that still exists stays a kill); when
-# checks were changed or removed, run the draw afresh instead. A mutant is carried only when its
-# fingerprint (the mutated text) is the same, so an edited reference line is judged anew.
+# checks were changed or removed, run the draw afresh instead. Verdicts are matched by fingerprint
+# (the mutated text), so a mutant whose line moved keeps its verdict and an edited line is judged
+# anew. ``--draw-from <old session>`` makes the draw itself the old session's mutants, found again
+# by fingerprint: a seeded draw picks by index into the population, so any edit of reference/
+# that adds or removes a mutant would draw another sample.
 CARRIED = ("killed", "timeout", "incompetent")
 
 
-def carried_verdicts(spec: str, work: Path) -> dict[str, dict]:
-    """id -> the verdict to take over from the session files ``spec`` names."""
+def session_files(spec: str, flag: str) -> list[Path]:
+    """The session files a comma-separated list of paths or globs names (``flag`` for errors)."""
     paths = []
     for part in (x.strip() for x in spec.split(",") if x.strip()):
         found = sorted(Path().glob(part)) if any(c in part for c in "*?[") else [Path(part)]
         if not found or not all(f.is_file() for f in found):
-            raise SystemExit(f"mutation: --carry {part!r}: no such session file (see {work})")
+            raise SystemExit(f"mutation: {flag} {part!r}: no such session file")
         paths += found
-    return {
-        i: dict(rec, carried=", ".join(p.name for p in paths))
-        for i, rec in load_session(paths).items()
-        if rec["status"] in CARRIED
-    }
+    return paths
+
+
+def by_fingerprint(paths: list[Path]) -> dict[str, dict]:
+    """fingerprint -> the verdict the session files ``paths`` hold for it."""
+    return {rec["fingerprint"]: rec for rec in load_session(paths).values()}
+
+
+def fingerprints(tree: Path, mutants: list) -> dict[str, object]:
+    """fingerprint -> mutant, for ``mutants`` of the copy at ``tree``."""
+    return {population.fingerprint(m, *population.mutated_source(tree, m)): m for m in mutants}
 
 
 def session_paths(work: Path, key: str) -> list[Path]:
@@ -555,6 +571,18 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"mutation: --ids: no such mutant {sorted(unknown)}; see --list")
         drawn = [m for m in everything if m.id in wanted]
+    if args.draw_from:
+        earlier = by_fingerprint(session_files(args.draw_from, "--draw-from"))
+        kinds = {(r["file"], r["operator"]) for r in earlier.values()}
+        found = fingerprints(tree, [m for m in everything if (m.file, m.operator) in kinds])
+        drawn = sorted(
+            (m for f, m in found.items() if f in earlier), key=lambda m: everything.index(m)
+        )
+        print(
+            f"mutation: --draw-from: {len(drawn)} of its {len(earlier)} mutants found again "
+            f"(the others' lines changed since)",
+            flush=True,
+        )
     # one campaign = this population (reference text), this suite, this draw
     ids = hashlib.sha256("\n".join(m.id for m in everything).encode()).hexdigest()
     key = hashlib.sha256(
@@ -562,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             tree_hash(tree)
             + ids
             + f"{args.sample}-{args.seed}-{args.world_sizes}-{args.ids}-{args.files}-{args.checks}"
+            + (f"-from:{args.draw_from}" if args.draw_from else "")
         ).encode()
     ).hexdigest()[:12]
     session = work / f"session-{key}-{args.shard_i}of{args.shard_n}.jsonl"
@@ -574,13 +603,16 @@ def main(argv: list[str] | None = None) -> int:
         done = load_session(session_paths(work, key))  # any shard's verdicts count
         todo = [m for m in mine if m.id not in done]
         if args.carry:
-            old = carried_verdicts(args.carry, work)
+            old = {
+                f: rec
+                for f, rec in by_fingerprint(session_files(args.carry, "--carry")).items()
+                if rec["status"] in CARRIED
+            }
+            named = ", ".join(p.name for p in session_files(args.carry, "--carry"))
             take = [
-                old[m.id]
-                for m in todo
-                if m.id in old
-                and old[m.id]["fingerprint"]
-                == population.fingerprint(m, *population.mutated_source(tree, m))
+                old[f] | m.as_dict() | {"carried": named}
+                for f, m in fingerprints(tree, todo).items()
+                if f in old
             ]
             with open(session, "a") as out:
                 for rec in take:

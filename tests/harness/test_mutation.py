@@ -203,13 +203,19 @@ def test_tiny_campaign_end_to_end(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     assert "already judged 3" in again.stdout
     assert "mutation: [" not in again.stdout
-    # a new session of the same draw that carries the old one judges only the old survivors
+    # the same draw found again by fingerprint, in a new session that carries the old one's
+    # verdicts: only the old survivors are judged
     carried = [r for r in records if r["status"] != "survived"]
     cmd2 = cmd[:-4] + ["--work-dir", str(tmp_path / "work2"), "--reports-dir", str(tmp_path / "r2")]
     third = subprocess.run(
-        [*cmd2, "--carry", str(session)], cwd=checkout, capture_output=True, text=True, timeout=600
+        [*cmd2, "--draw-from", str(session), "--carry", str(session)],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "--draw-from: 3 of its 3 mutants found again" in third.stdout, third.stdout
     assert f"--carry: {len(carried)} verdict(s) taken over unjudged" in third.stdout
     assert third.stdout.count("mutation: [") == 3 - len(carried), third.stdout
     data2 = json.loads((tmp_path / "r2" / "mutation.json").read_text())
