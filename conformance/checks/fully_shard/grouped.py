@@ -1,0 +1,131 @@
+"""Area "states": a grouped ``fully_shard([a, b])`` whose forward runs only some of its modules
+(P22).
+
+[Note: partial group forward]
+A group made by one ``fully_shard([a, b])`` call shares one parameter group: the unshard happens
+before the first of its modules runs and the post-forward (reshard per ``reshard_after_forward``,
+pre-backward hook on the output) after the last. When a forward runs only ``a`` (``b`` is skipped,
+or it is a head the training loop calls on its own after the model's forward, as a chunked loss
+does), the group's post-forward never fires by itself: the root's post-forward completes it, so
+right after the root's forward the group is SHARDED (its default ``reshard_after_forward=True``),
+every iteration alike, and backward still gives every parameter the oracle's gradient (``.grad``
+None for a module that did not run). A head called after the root's forward makes its group's
+state the forward root of that call; the root's final callback in backward ends it, so the next
+iteration's root forward is again the root's.
+
+The oracle is the unsharded model (``_shared/oracle.py``'s rule: rank r feeds its ``B`` samples,
+the oracle the global batch, losses are means), stepped with the same SGD.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, B, assert_close, shard_dim
+from conformance.checks._shared.rows import chunk_of
+from conformance.registry import check
+
+GROUP = ("a.weight", "a.bias", "b.weight", "b.bias")
+STEPS = 2
+
+
+class Trunk(nn.Module):
+    """Root Linear(5, 7) -> tanh -> ``a`` Linear(7, 7) -> tanh; ``b`` Linear(7, 3) is not called
+    by ``forward`` (a head for the caller to run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.a = nn.Linear(7, 7)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.a(torch.tanh(self.inp(x))))
+
+
+def _batch(ctx, step, head):
+    g = torch.Generator().manual_seed(2000 + step)
+    n = ctx.world_size * B
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3 if head else 7, generator=g)
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def _assert_group_sharded(ctx, model, when):
+    from torch.distributed.tensor import DTensor
+
+    for fqn in GROUP:
+        param = model.get_parameter(fqn)
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} {fqn} {when}: registered a plain tensor (UNSHARDED); the group "
+            f"fully_shard([a, b]) should be SHARDED once the root's forward has finished it"
+        )
+
+
+@check(
+    area="states",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    cases={"b-skipped": {"head": False}, "b-called-after-forward": {"head": True}},
+)
+def group_partial_forward(ctx, head):
+    """P22: with ``fully_shard([a, b])`` and the root over them, a forward that runs only ``a``
+    leaves the group SHARDED right after the root's forward, in both of 2 iterations; losses,
+    sharded gradients (the oracle's chunks; ``b``'s None when it never ran) and the values after
+    each SGD step equal the unsharded model's. ``b-called-after-forward``: ``b`` runs on the
+    root's output after the root's forward (a chunked-loss head)."""
+    from torch.distributed.tensor import DTensor
+
+    ctx.seed(0)
+    model = Trunk().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ctx.impl.ns.fully_shard([model.a, model.b], mesh=ctx.mesh)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(STEPS):
+        x, y = _batch(ctx, step, head)
+        out = model(x[mine])
+        _assert_group_sharded(ctx, model, f"after the root's forward of step {step}")
+        oout = oracle(x)
+        if head:
+            out, oout = model.b(out), oracle.b(oout)
+        loss = ((out - y[mine]) ** 2).mean()
+        oloss = ((oout - y) ** 2).mean(dim=1)
+        assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
+        loss.backward()
+        oloss.mean().backward()
+        for fqn, param in model.named_parameters():
+            ograd = oracle.get_parameter(fqn).grad
+            if ograd is None:
+                assert param.grad is None, (
+                    f"{ctx.where()} step {step} {fqn}: has a gradient, but its module never ran"
+                )
+                continue
+            assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
+                f"{ctx.where()} step {step} {fqn}: after backward expected a SHARDED parameter "
+                f"with a DTensor gradient, got {type(param).__name__} / "
+                f"{type(param.grad).__name__}"
+            )
+            expected = chunk_of(ograd, shard_dim(param), ctx.world_size, ctx.rank)
+            assert_close(
+                ctx,
+                f"step {step} {fqn} sharded grad",
+                param.grad.to_local(),
+                expected,
+                FP32["grad"],
+            )
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+        for fqn, param in model.named_parameters():
+            assert_close(
+                ctx,
+                f"{fqn} after step {step}",
+                param.detach().full_tensor(),
+                oracle.get_parameter(fqn),
+                FP32["param"],
+            )
