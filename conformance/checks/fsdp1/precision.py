@@ -8,8 +8,8 @@ reduce dtype (``reduce_dtype``, or ``param_dtype`` when that is None), while the
 fp32 (R6). The values are the single-process oracle's gradients (one bf16 rounding; fp16 is finer).
 
 [Note: buffer_dtype per unit]
-Lazy init (the root's first forward) casts the floating buffers of every unit to that unit's own
-``MixedPrecision.buffer_dtype``; a unit without one (no mixed precision, or ``buffer_dtype=None``)
+Lazy init (the root's first forward, before any unit's own forward) casts the floating buffers
+of every unit to that unit's own ``MixedPrecision.buffer_dtype``; a unit without one (no mixed precision, or ``buffer_dtype=None``)
 keeps fp32 buffers and does not stop the later units from being cast (R7). Values are unchanged
 (the cast of 0.5 and 1.0 is exact).
 """
@@ -90,12 +90,17 @@ class Stage(nn.Module):
 
 
 class TwoStages(nn.Module):
+    """``first`` then ``second``; records the dtype of ``second``'s buffer as its forward starts
+    (before ``second`` itself runs)."""
+
     def __init__(self):
         super().__init__()
         self.first = Stage()
         self.second = Stage()
+        self.seen: list[torch.dtype] = []
 
     def forward(self, x):
+        self.seen.append(self.second.shift.dtype)
         return self.second(self.first(x))
 
 
@@ -112,8 +117,9 @@ BUFFER_CASES = {
 )
 def flat_buffer_dtype_per_unit(ctx, first):
     """R7: with ``first`` wrapped without a buffer dtype (no mixed precision, or one without
-    ``buffer_dtype``) before ``second`` wrapped with ``MixedPrecision(buffer_dtype=bf16)``, the
-    first forward leaves ``first``'s floating buffer fp32 and ``second``'s bf16, with the values
+    ``buffer_dtype``) before ``second`` wrapped with ``MixedPrecision(buffer_dtype=bf16)``,
+    ``second``'s buffer is bf16 already when the root's forward starts (lazy init casts every
+    unit), and the first forward leaves ``first``'s floating buffer fp32 and ``second``'s bf16, with the values
     they had (integer buffers stay int64)."""
     ctx.seed(0)
     mp = ctx.impl.ns.MixedPrecision
@@ -125,6 +131,11 @@ def flat_buffer_dtype_per_unit(ctx, first):
     model = ctx.impl.shard(TwoStages().to(ctx.device), ctx, plan=plan)
     with torch.no_grad():
         model(torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).to(ctx.device))
+    root = model.module if hasattr(model, "module") else model
+    assert root.seen == [BF16], (
+        f"{ctx.where()} as the root's first forward started, second.shift was {root.seen}, "
+        "expected [torch.bfloat16] (lazy init casts every unit's buffers before any unit runs)"
+    )
     seen = {ctx.impl.clean_fqn(n): b for n, b in model.named_buffers()}
     for stage, want in (("first", FP32), ("second", BF16)):
         buf = seen[f"{stage}.shift"]
