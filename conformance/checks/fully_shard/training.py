@@ -292,3 +292,30 @@ def gradient_divide_factor(ctx, dtype, factor):
             expected,
             tol,
         )
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.MIXED_PRECISION},
+)
+def gradient_divide_factor_zero_fp16(ctx):
+    """P6 taken to its edge: with fp16 reduction (``param_dtype=fp16``) the sum is pre-divided by 1
+    and post-divided by the factor, so after ``set_gradient_divide_factor(0.0)`` every element of
+    every sharded gradient is the sum divided by zero: not finite (inf, or nan for a zero sum), on
+    every rank. (For fp32/bf16 upstream builds ``PREMUL_SUM(1 / 0)`` and raises
+    ZeroDivisionError; that degenerate case is not checked.)"""
+    ctx.seed(0)
+    model = ctx.impl.shard(
+        MLP().to(ctx.device), ctx, plan=None, mixed_precision={"param_dtype": torch.float16}
+    )
+    model.set_gradient_divide_factor(0.0)
+    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    per_sample_loss("mlp", model(x[mine]), y[mine]).sum().backward()
+    for name, param in named_unique(model):
+        assert param.grad is not None, f"{ctx.where()} {name}: no sharded gradient after backward"
+        finite = torch.isfinite(param.grad.to_local()).sum().item()
+        assert finite == 0, (
+            f"{ctx.where()} {name}: {finite} finite gradient element(s) after dividing by a "
+            f"gradient divide factor of 0; expected inf/nan everywhere"
+        )
