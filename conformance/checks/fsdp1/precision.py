@@ -75,6 +75,48 @@ def flat_keep_low_precision_grads_no_shard(ctx, orig, reduce):
             assert_close(ctx, f"{name}.grad", grad, ref.grad, BF16_TOLS["grad"])
 
 
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.TRAINING},
+    cases={"reduce-none": {"reduce": None}, "reduce-fp32": {"reduce": FP32}},
+    min_world_size=2,
+)
+def orig_params_keep_low_precision_grads(ctx, reduce):
+    """P5/R1: with sharded units, ``use_orig_params=True`` and ``MixedPrecision(param_dtype=bf16,
+    keep_low_precision_grads=True)``, after one backward every original parameter with elements
+    on this rank has a bf16 ``.grad`` holding the oracle's gradient at the parameter's offset
+    (bf16 tolerance), a parameter without elements here has none, and the parameters stay
+    fp32."""
+    mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
+    ctx.seed(0)
+    model = MODELS["mlp"]().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    model = ctx.impl.shard(model, ctx, mixed_precision=mp, use_orig_params=True)
+    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+    per_sample_loss("mlp", oracle(x), y).mean().backward()
+    views = ctx.impl.local_shards(model)
+    params = {ctx.impl.clean_fqn(n): p for n, p in model.named_parameters()}
+    for name, ref in oracle.named_parameters():
+        view, param = views[name], params[name]
+        assert param.dtype == FP32, f"{ctx.where()} {name} is {param.dtype}, expected fp32"
+        n = view.local.numel()
+        if n == 0:
+            assert param.grad is None or param.grad.numel() == 0, (
+                f"{ctx.where()} {name} has no element here but a gradient of "
+                f"{param.grad.numel()} elements"
+            )
+            continue
+        grad = param.grad
+        assert grad is not None and grad.dtype == BF16, (
+            f"{ctx.where()} {name}.grad: {None if grad is None else grad.dtype}, expected "
+            "bfloat16 (keep_low_precision_grads)"
+        )
+        expected = ref.grad.detach().reshape(-1)[view.offset : view.offset + n]
+        assert_close(ctx, f"{name}.grad", grad.reshape(-1), expected, BF16_TOLS["grad"])
+
+
 class Stage(nn.Module):
     """Linear(3, 3) plus a floating buffer ``shift`` (0.5s) and an int64 buffer ``count``."""
 
