@@ -82,7 +82,7 @@ def flat_keep_low_precision_grads_no_shard(ctx, orig, reduce):
     min_world_size=2,
 )
 def orig_params_keep_low_precision_grads(ctx, reduce):
-    """P5/R1: with sharded units, ``use_orig_params=True`` and ``MixedPrecision(param_dtype=bf16,
+    """R6: with sharded units, ``use_orig_params=True`` and ``MixedPrecision(param_dtype=bf16,
     keep_low_precision_grads=True)``, after one backward every original parameter with elements
     on this rank has a bf16 ``.grad`` holding the oracle's gradient at the parameter's offset
     (bf16 tolerance), a parameter without elements here has none, and the parameters stay
