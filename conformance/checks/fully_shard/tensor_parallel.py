@@ -1,5 +1,5 @@
 """Area "tensor_parallel": FSDP on the dp dim of a 2-D (dp, tp) mesh over tensor-parallel DTensor
-parameters (P15), at world size 4 as a 2 x 2 mesh.
+parameters (P15), at world size 4 as a 2 x 2 mesh (the sequence-parallel check also at 2, as 1 x 2).
 
 [Note: the layout rule]
 ``parallelize_module`` (``in_proj``: ``ColwiseParallel``, ``out_proj``: ``RowwiseParallel``) leaves
@@ -236,3 +236,93 @@ def no_smaller_mesh_reshard(ctx):
         f"{ctx.where()} forward with reshard_after_forward=2 over TP parameters "
         "ran; expected NotImplementedError (resharding to a smaller mesh)"
     )
+
+
+SEQ = 4  # sequence length, split over tp by SequenceParallel
+
+
+class SPBlock(nn.Module):
+    """``norm`` LayerNorm(dim) (SequenceParallel: Replicate parameters, Shard(1) activations) ->
+    ``proj`` Linear(dim, dim) (ColwiseParallel from Shard(1) inputs to a Replicate output)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.TRAINING, base.FSDP2_API},
+    world_sizes=(2, 4),
+)
+def train_parity_sequence_parallel(ctx):
+    """FSDP over a sequence-parallel norm trains like the plain model (P15, P6).
+
+    The norm's weight and bias are Replicate on tp while its input is sharded on the sequence
+    dim, so their gradients arrive as Partial sums over tp: FSDP must turn them into the
+    parameters' Replicate placement before reducing over dp. Losses, gathered gradients and
+    parameters after 3 SGD steps (momentum 0.9) equal the plain model's on the whole batch; the
+    norm parameters are ``(Shard(0), Replicate())`` on the (dp, tp) mesh: (1, 2) at world size 2,
+    (2, 2) at 4."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    dim = 6
+    dp = ctx.world_size // TP
+    mesh = ctx.make_mesh((dp, TP), ("dp", "tp"))
+    ctx.seed(0)
+    model = SPBlock(dim).to(ctx.device)
+    with torch.no_grad():  # not the default ones and zeros, so a wrong norm gradient shows
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    oracle = copy.deepcopy(model)
+    plan = {
+        "norm": SequenceParallel(),
+        "proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh["tp"], plan)
+    ctx.impl.ns.fully_shard(model, mesh=mesh["dp"])
+    for name in ("norm.weight", "norm.bias"):
+        placements = tuple(model.get_parameter(name).placements)
+        assert placements == (Shard(0), Replicate()), (
+            f"{ctx.where()} {name}: placements {placements}, expected (Shard(0), Replicate())"
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    dp_rank, tp_rank = divmod(ctx.rank, TP)
+    samples = slice(dp_rank * B, (dp_rank + 1) * B)
+    tokens = slice(tp_rank * SEQ // TP, (tp_rank + 1) * SEQ // TP)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(300 + step)
+        x = torch.randn(dp * B, SEQ, dim, generator=g).to(ctx.device)
+        y = torch.randn(dp * B, SEQ, dim, generator=g).to(ctx.device)
+        out = model(x[samples, tokens])  # this rank's sequence chunk of its dp samples
+        loss = F.mse_loss(out, y[samples])
+        loss.backward()
+        oout = oracle(x)
+        F.mse_loss(oout, y).backward()
+        assert_close(
+            ctx, f"step {step} loss", loss, F.mse_loss(oout[samples].detach(), y[samples]), TOL
+        )
+        for name, param in model.named_parameters():
+            assert_close(
+                ctx,
+                f"step {step} {name} gradient (full_tensor)",
+                param.grad.full_tensor(),
+                oracle.get_parameter(name).grad,
+                TOL,
+            )
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    for name, param in model.named_parameters():
+        full = param.detach().full_tensor()
+        assert_close(ctx, f"{name} after {STEPS} steps", full, oracle.get_parameter(name), TOL)
