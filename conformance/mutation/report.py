@@ -186,6 +186,7 @@ def write(records, *, drawn, missing, args, population, triage_path, reports_dir
         "median_s_per_mutant": s["median_s"],
         "total_s": s["total_s"],
         "world_sizes": args.world_sizes,
+        "fallback_world_sizes": ",".join(map(str, getattr(args, "fallback_ws", []))),
         "survivors": survivors,
         "errors": [{"id": r["id"], "note": r["note"]} for r in records if r["status"] == "error"],
     }
@@ -221,7 +222,13 @@ def _markdown(d: dict, line: str) -> str:
             else f"Sample: the {d['sample']} mutants of {d['drawn_from']} found again by "
             f"fingerprint among {d['population']}, world sizes "
         )
-        + f"{d['world_sizes']}; judged {d['judged']}, pending {d['pending']}.",
+        + f"{d['world_sizes']}"
+        + (
+            f" (fallback {d['fallback_world_sizes']} for statements no case there executes)"
+            if d["fallback_world_sizes"]
+            else ""
+        )
+        + f"; judged {d['judged']}, pending {d['pending']}.",
         "",
         f"killed {d['killed']}, timeout {d['timeout']}, survived {d['survived']} "
         f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, error {d['error']}; "

@@ -55,6 +55,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the draw")
     p.add_argument("--shard", default="1/1", help="i/n: run the i-th of n shares (1-based)")
     p.add_argument("--world-sizes", default="1,2", help="world sizes of the cases (default 1,2)")
+    p.add_argument(
+        "--fallback-world-sizes",
+        default="4",
+        help="for a mutant whose statement no case at --world-sizes executes: the cases at these "
+        "world sizes that do (default 4: e.g. an int reshard_after_forward needs a mesh of 4; "
+        "'' for none); see [Note: fallback world sizes]",
+    )
     p.add_argument("--check-timeout", type=float, default=30.0, help="per check, seconds")
     p.add_argument(
         "--timeout",
@@ -121,6 +128,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--world-sizes {args.world_sizes!r}: expected comma-separated integers, e.g. 1,2")
     if not args.ws or min(args.ws) < 1:
         p.error(f"--world-sizes {args.world_sizes!r}: give at least one size >= 1, e.g. 1,2")
+    try:
+        fallback = {int(w) for w in args.fallback_world_sizes.split(",") if w.strip()}
+    except ValueError:
+        p.error(
+            f"--fallback-world-sizes {args.fallback_world_sizes!r}: expected comma-separated "
+            "integers, e.g. 4, or '' for none"
+        )
+    args.fallback_ws = sorted(w for w in fallback if w not in args.ws)
     if args.sample < 0:
         p.error(f"--sample {args.sample}: give a count >= 0 (0 draws every mutant)")
     return args
@@ -341,10 +356,20 @@ def _kill_order(cases: list[str], duration: dict[str, float]) -> list[str]:
     return [n for _, _, n in sorted(ranked)]
 
 
-def prepare(mutant, tree: Path, cov: dict) -> dict:
+# [Note: fallback world sizes]
+# Some statements run only at world sizes the campaign's main run does not use (1, 2 by default):
+# an int reshard_after_forward that halves the mesh, HSDP's 2-D mesh. A mutant there is judged by
+# the cases at the fallback world sizes (default 4) that execute the statement, measured by a
+# second traced run made only when such a mutant comes up (and cached like the first). Its
+# record says so in ``note``; only when no case at any of the sizes executes the statement does
+# it survive unjudged ("no case executes the mutated statement").
+
+
+def prepare(mutant, tree: Path, cov: dict, fallback=None) -> dict:
     """The mutant's record so far, its mutated text, its cases and how it can be run: ``live``
     (inside a function body: a code swap in a shared run, see :mod:`.live`), ``process`` (a
-    fresh run with the file rewritten) or ``done`` (no run needed; ``status`` set)."""
+    fresh run with the file rewritten) or ``done`` (no run needed; ``status`` set).
+    ``fallback()``, when given, is the coverage map at the fallback world sizes (see the Note)."""
     original, mutated = population.mutated_source(tree, mutant)
     record = mutant.as_dict() | {
         "part": mutant.part,
@@ -361,6 +386,12 @@ def prepare(mutant, tree: Path, cov: dict) -> dict:
         return {"record": record | {"status": "incompetent", "note": f"does not compile: {exc}"}}
     where = population.reach(original, mutant.line)
     cases = population.select_cases(cov["lines"], mutant.file, where)
+    if not cases and fallback is not None:
+        extra = fallback()
+        cases = population.select_cases(extra["lines"], mutant.file, where)
+        cov["duration"].update(extra["duration"])  # the kill order and budgets read them
+        if cases:
+            record["note"] = f"judged at the fallback world sizes {extra['ws']}"
     if not cases:
         note = "no case executes the mutated statement"
         return {"record": record | {"status": "survived", "note": note}}
@@ -456,6 +487,16 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
     """Judge ``todo`` in order, appending each verdict to ``out`` as soon as it is known: live
     mutants in batches of ``--batch`` (one shared run each), the others one run each."""
     count = [0]
+    extra: list[dict] = []
+
+    def fallback() -> dict:
+        """The coverage map at the fallback world sizes, measured on first use."""
+        if not extra:
+            extra.append(measure_coverage(tree, work, args.fallback_ws, args.checks))
+            extra[0]["ws"] = ",".join(map(str, args.fallback_ws))
+        return extra[0]
+
+    widen = fallback if args.fallback_ws else None
 
     def emit(rec: dict) -> None:
         out.write(json.dumps(rec) + "\n")
@@ -490,7 +531,7 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
         batch.clear()
 
     for mutant in todo:
-        prep = prepare(mutant, tree, cov)
+        prep = prepare(mutant, tree, cov, widen)
         if "cases" not in prep:
             emit(prep["record"])
         elif prep["live"] and args.batch > 1:
@@ -590,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             tree_hash(tree)
             + ids
             + f"{args.sample}-{args.seed}-{args.world_sizes}-{args.ids}-{args.files}-{args.checks}"
+            + f"-fb{args.fallback_ws}"
             + (f"-from:{args.draw_from}" if args.draw_from else "")
         ).encode()
     ).hexdigest()[:12]

@@ -246,3 +246,35 @@ def test_a_killed_entry_names_its_check(tmp_path):
     assert report._survivor_entry(
         record | {"id": "i", "file": "f", "line": 1, "diff": "", "note": ""}
     )["triage"].startswith("killed by area::check[case]")
+
+
+def test_a_statement_no_main_case_runs_is_judged_at_the_fallback_world_sizes():
+    """[Note: fallback world sizes]: with no case at the main world sizes executing the mutated
+    statement, ``prepare`` asks for the fallback map once and takes its cases; with none there
+    either, the mutant survives unjudged."""
+    from conformance.mutation.run import prepare
+
+    file = "reference/_fully_shard/_shard_math.py"
+    mutant = next(
+        m for m in population.enumerate_file(ROOT, file) if m.operator.endswith("Sub_Add")
+    )
+    line = mutant.line
+    asked = []
+
+    def fallback(lines):
+        def get():
+            asked.append(1)
+            return {"lines": lines, "duration": {"f[r-ws4-a]": 1.0}, "ws": "4"}
+
+        return get
+
+    empty = {"lines": {}, "duration": {}}
+    prep = prepare(mutant, ROOT, empty, fallback({"f[r-ws4-a]": {file: [line]}}))
+    assert prep["cases"] == ["f[r-ws4-a]"] and asked == [1], prep
+    assert prep["record"]["note"] == "judged at the fallback world sizes 4"
+    prep = prepare(mutant, ROOT, {"lines": {}, "duration": {}}, fallback({}))
+    assert prep["record"]["status"] == "survived", prep
+    assert prep["record"]["note"] == "no case executes the mutated statement"
+    main = {"lines": {"f[r-ws2-a]": {file: [line]}}, "duration": {}}
+    asked.clear()
+    assert prepare(mutant, ROOT, main, fallback({}))["cases"] == ["f[r-ws2-a]"] and not asked
