@@ -34,23 +34,25 @@ STEPS = 2
 
 
 class Trunk(nn.Module):
-    """Root Linear(5, 7) -> tanh -> ``a`` Linear(7, 7) -> tanh; ``b`` Linear(7, 3) is not called
-    by ``forward`` (a head for the caller to run)."""
+    """Root Linear(5, 7) -> tanh -> ``a`` Linear(7, 7) -> tanh; ``b`` Linear(7, 3) is called by
+    ``forward`` only with ``run_b`` (otherwise it is a head for the caller to run)."""
 
-    def __init__(self):
+    def __init__(self, run_b: bool = False):
         super().__init__()
+        self.run_b = run_b
         self.inp = nn.Linear(5, 7)
         self.a = nn.Linear(7, 7)
         self.b = nn.Linear(7, 3)
 
     def forward(self, x):
-        return torch.tanh(self.a(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        return self.b(h) if self.run_b else h
 
 
-def _batch(ctx, step, head):
+def _batch(ctx, step, out_dim):
     g = torch.Generator().manual_seed(2000 + step)
     n = ctx.world_size * B
-    x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3 if head else 7, generator=g)
+    x, y = torch.randn(n, 5, generator=g), torch.randn(n, out_dim, generator=g)
     return x.to(ctx.device), y.to(ctx.device)
 
 
@@ -68,18 +70,24 @@ def _assert_group_sharded(ctx, model, when):
 @check(
     area="states",
     requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
-    cases={"b-skipped": {"head": False}, "b-called-after-forward": {"head": True}},
+    cases={
+        "b-skipped": {"head": False},
+        "b-called-after-forward": {"head": True},
+        "both-run": {"head": False, "run_b": True},
+    },
 )
-def group_partial_forward(ctx, head):
+def group_partial_forward(ctx, head, run_b=False):
     """P22: with ``fully_shard([a, b])`` and the root over them, a forward that runs only ``a``
     leaves the group SHARDED right after the root's forward, in both of 2 iterations; losses,
     sharded gradients (the oracle's chunks; ``b``'s None when it never ran) and the values after
     each SGD step equal the unsharded model's. ``b-called-after-forward``: ``b`` runs on the
-    root's output after the root's forward (a chunked-loss head)."""
+    root's output after the root's forward (a chunked-loss head). ``both-run``: the control, the
+    root's forward runs ``a`` then ``b``, so the group's own post-forward (after ``b``) reshards
+    it, with the same assertions."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
-    model = Trunk().to(ctx.device)
+    model = Trunk(run_b).to(ctx.device)
     oracle = copy.deepcopy(model)
     ctx.impl.ns.fully_shard([model.a, model.b], mesh=ctx.mesh)
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
@@ -87,7 +95,7 @@ def group_partial_forward(ctx, head):
     oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     for step in range(STEPS):
-        x, y = _batch(ctx, step, head)
+        x, y = _batch(ctx, step, 3 if head or run_b else 7)
         out = model(x[mine])
         _assert_group_sharded(ctx, model, f"after the root's forward of step {step}")
         oout = oracle(x)
