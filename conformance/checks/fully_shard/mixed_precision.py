@@ -279,3 +279,38 @@ def non_float_parameter(ctx):
     assert torch.equal(index.full_tensor().cpu(), torch.arange(5)), (
         f"{ctx.where()} int parameter values after forward/backward: {index.full_tensor().tolist()}"
     )
+
+
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS, base.FSDP2_API},
+    cases={"no-grad": {"mode": "no_grad"}, "inference-mode": {"mode": "inference_mode"}},
+)
+def output_dtype_without_grad(ctx, mode):
+    """``output_dtype`` applies to a forward without autograd too: under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` a root with ``param_dtype=bf16, output_dtype=fp32`` returns an
+    fp32 output without grad, equal to the output of the grad-enabled forward before it (P5)."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    model = Net().to(ctx.device)
+    for layer in ("l1", "l2"):
+        ns.fully_shard(
+            model.get_submodule(layer),
+            mesh=ctx.mesh,
+            mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
+        )
+    ns.fully_shard(
+        model, mesh=ctx.mesh, mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP32)
+    )
+    x = _batch(ctx)
+    expected = model(x)  # first: a first forward under inference_mode makes inference tensors
+    with getattr(torch, mode)():
+        out = model(x)
+    assert out.dtype == FP32 and not out.requires_grad, (
+        f"{ctx.where()} {mode}: output {out.dtype} (requires_grad={out.requires_grad}), "
+        f"expected float32 without grad (output_dtype)"
+    )
+    assert expected.dtype == FP32 and torch.equal(out, expected.detach()), (
+        f"{ctx.where()} {mode}: the output differs from the grad-enabled forward's "
+        f"(max |diff| {(out - expected.detach()).abs().max().item():.3g})"
+    )
