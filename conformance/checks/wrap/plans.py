@@ -50,7 +50,8 @@ def _plan_builder(ctx):
 )
 def plan_matches_expected(ctx, case):
     """build_wrap_plan lists exactly the expected units in build order, each with the kwargs and
-    managed parameters the rules give, and leaves the model untouched (W1-W5, W9)."""
+    managed parameters the rules give, and leaves the model untouched (W1-W5, W9); a plan that
+    offers the ``module_fqns`` / ``targets`` views gives its entries' FQNs / (FQN, kwargs)."""
     build = _plan_builder(ctx)
     c, ns = ZOO[case], ctx.impl.ns
     model = seeded_model(ctx, c.model)
@@ -72,6 +73,12 @@ def plan_matches_expected(ctx, case):
     where = f"{ctx.where()} {case}:"
     got = tuple(e.module_fqn for e in plan.entries)
     assert got == c.units, f"{where} planned units {got}, expected {c.units} (build order)"
+    views = {"module_fqns": got, "targets": [(e.module_fqn, dict(e.kwargs)) for e in plan.entries]}
+    for attr, want in views.items():  # a WrapPlan's read-only views of its entries, where offered
+        if hasattr(type(plan), attr):
+            assert getattr(plan, attr) == want, (
+                f"{where} plan.{attr} is {getattr(plan, attr)!r}, expected {want!r} (its entries)"
+            )
     groups, ignored_fqns = expected_groups(model, c.units, ignored)
     for entry in plan.entries:
         unit = entry.module_fqn
