@@ -67,7 +67,7 @@ def summon_refused_in_forward(ctx, orig):
             seen.append(None)
 
     x = batch(ctx)
-    handle = oracle_free_head(ctx, model).register_forward_pre_hook(pre_hook)
+    handle = root_head(ctx, model).register_forward_pre_hook(pre_hook)
     try:
         out = model(x)
     finally:
@@ -82,7 +82,7 @@ def summon_refused_in_forward(ctx, orig):
     assert_close(ctx, "forward output after the refused summon", out, oracle(x), FP32["loss"])
 
 
-def oracle_free_head(ctx, model) -> nn.Module:
+def root_head(ctx, model) -> nn.Module:
     """The root's ``head`` Linear (not a unit: the same module object inside the root)."""
     heads = [m for n, m in model.named_modules() if n.split(".")[-1] == "head"]
     assert len(heads) == 1, f"{ctx.where()} expected one 'head' module, found {len(heads)}"
