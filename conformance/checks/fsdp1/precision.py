@@ -46,15 +46,7 @@ def flat_keep_low_precision_grads_no_shard(ctx, orig, reduce):
     every parameter's ``.grad``, in ``reduce_dtype or param_dtype`` with the oracle's values; the
     flat parameter stays fp32."""
     want = reduce or BF16
-    mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
-    ctx.seed(0)
-    model = MODELS["mlp"]().to(ctx.device)
-    oracle = copy.deepcopy(model)
-    model = ctx.impl.shard(model, ctx, mixed_precision=mp, use_orig_params=orig)
-    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
-    per_sample_loss("mlp", oracle(x), y).mean().backward()
+    model, oracle = _one_low_precision_backward(ctx, reduce, orig)
     for fqns, grad in flat_grads(ctx, model):
         assert grad is not None and grad.dtype == want, (
             f"{ctx.where()} flat gradient of {fqns}: dtype {None if grad is None else grad.dtype}, "
@@ -87,15 +79,7 @@ def orig_params_keep_low_precision_grads(ctx, reduce):
     on this rank has a bf16 ``.grad`` holding the oracle's gradient at the parameter's offset
     (bf16 tolerance), a parameter without elements here has none, and the parameters stay
     fp32."""
-    mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
-    ctx.seed(0)
-    model = MODELS["mlp"]().to(ctx.device)
-    oracle = copy.deepcopy(model)
-    model = ctx.impl.shard(model, ctx, mixed_precision=mp, use_orig_params=True)
-    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
-    per_sample_loss("mlp", oracle(x), y).mean().backward()
+    model, oracle = _one_low_precision_backward(ctx, reduce, orig=True)
     views = ctx.impl.local_shards(model)
     params = {ctx.impl.clean_fqn(n): p for n, p in model.named_parameters()}
     for name, ref in oracle.named_parameters():
@@ -192,3 +176,19 @@ def flat_buffer_dtype_per_unit(ctx, first):
         assert count.dtype == torch.int64, (
             f"{ctx.where()} {stage}.count is {count.dtype}, expected int64 (not floating)"
         )
+
+
+def _one_low_precision_backward(ctx, reduce, orig: bool):
+    """The mlp as one FSDP1 unit with ``MixedPrecision(param_dtype=bf16, reduce_dtype=reduce,
+    keep_low_precision_grads=True)`` after one backward of this rank's share of batch 0, and the
+    unsharded fp32 oracle after one backward of the whole batch."""
+    mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
+    ctx.seed(0)
+    model = MODELS["mlp"]().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    model = ctx.impl.shard(model, ctx, mixed_precision=mp, use_orig_params=orig)
+    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+    per_sample_loss("mlp", oracle(x), y).mean().backward()
+    return model, oracle
