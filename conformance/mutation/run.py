@@ -663,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
             todo = [m for m in todo if m.id not in taken]
             print(f"mutation: --carry: {len(take)} verdict(s) taken over unjudged", flush=True)
         print(
-            f"mutation: population {len(everything)}, drawn {len(drawn)} (seed {args.seed}), "
-            f"shard {args.shard}: {len(mine)}, already judged {len(mine) - len(todo)}; "
+            f"mutation: population {len(everything)}, drawn {len(drawn)} "
+            + (f"(from {args.draw_from}), " if args.draw_from else f"(seed {args.seed}), ")
+            + f"shard {args.shard}: {len(mine)}, already judged {len(mine) - len(todo)}; "
             f"session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session}",
             flush=True,
         )

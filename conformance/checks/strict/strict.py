@@ -77,6 +77,32 @@ def invalid_shard_placement(ctx, name):
     contract.invalid_shard_placement(ctx, name, strict=True)
 
 
+POLICY_CASES = {
+    "mp-none": ("mp_policy", lambda: None),
+    "mp-dict": ("mp_policy", lambda: {"param_dtype": torch.bfloat16}),
+    "offload-none": ("offload_policy", lambda: None),
+    "offload-bool": ("offload_policy", lambda: True),
+}
+
+
+@check(area=AREA, requires=API, cases={k: {"name": k} for k in POLICY_CASES})
+def policy_type_refused(ctx, name):
+    """fully_shard with an mp_policy / offload_policy of the wrong type (None, a dict of dtypes,
+    a bool) raises TypeError naming that argument at the call and leaves the module as it was
+    (X4, X1)."""
+    arg, value = POLICY_CASES[name]
+    model = contract.Two().to(ctx.device)
+    contract.expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, **{arg: value()}),
+        TypeError,
+        arg,
+        f"fully_shard({arg}={value()!r})",
+        strict=True,
+    )
+
+
 @check(area=AREA, requires=API)
 def forward_on_meta_params(ctx):
     """A forward rejected because the parameters are still on the meta device leaves them as they
