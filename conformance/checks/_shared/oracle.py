@@ -255,3 +255,26 @@ def run_parity(
         tol = dict(rtol=2e-2, atol=2e-3) if mp_tolerance else FP32["param"]
         assert_close(ctx, f"{name} after {steps} steps", full, oracle.get_parameter(name), tol)
     return model
+
+
+def assert_sharded_grad(ctx, what: str, param, full_grad) -> None:
+    """``param``'s local gradient is this rank's chunk of the oracle's ``full_grad`` (on the
+    parameter's shard dim; fp32 tolerance)."""
+    expected = local_chunk(full_grad, shard_dim(param), ctx.world_size, ctx.rank)
+    assert_close(ctx, what, param.grad.to_local(), expected, FP32["grad"])
+
+
+def step_and_compare(ctx, model, oracle, optimizers, step: int) -> None:
+    """Step and zero every optimizer in ``optimizers`` (the sharded model's and the oracle's),
+    then every sharded parameter's full value equals the oracle's (fp32 tolerance)."""
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    for fqn, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{fqn} after step {step}",
+            param.detach().full_tensor(),
+            oracle.get_parameter(fqn),
+            FP32["param"],
+        )

@@ -25,8 +25,13 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, B, assert_close, shard_dim
-from conformance.checks._shared.rows import chunk_of
+from conformance.checks._shared.oracle import (
+    FP32,
+    B,
+    assert_close,
+    assert_sharded_grad,
+    step_and_compare,
+)
 from conformance.registry import check
 
 GROUP = ("a.weight", "a.bias", "b.weight", "b.bias")
@@ -118,22 +123,5 @@ def group_partial_forward(ctx, head, run_b=False):
                 f"with a DTensor gradient, got {type(param).__name__} / "
                 f"{type(param.grad).__name__}"
             )
-            expected = chunk_of(ograd, shard_dim(param), ctx.world_size, ctx.rank)
-            assert_close(
-                ctx,
-                f"step {step} {fqn} sharded grad",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
-            )
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
-        for fqn, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"{fqn} after step {step}",
-                param.detach().full_tensor(),
-                oracle.get_parameter(fqn),
-                FP32["param"],
-            )
+            assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
+        step_and_compare(ctx, model, oracle, (opt, oopt), step)

@@ -20,8 +20,13 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, B, assert_close, shard_dim
-from conformance.checks._shared.rows import chunk_of
+from conformance.checks._shared.oracle import (
+    FP32,
+    B,
+    assert_close,
+    assert_sharded_grad,
+    step_and_compare,
+)
 from conformance.registry import check
 
 STEPS = 2
@@ -94,25 +99,7 @@ def pytree_outputs_with_non_grad_leaves(ctx):
         loss.backward()
         oloss.mean().backward()
         for fqn, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(fqn).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
             assert param.grad is not None, f"{ctx.where()} step {step} {fqn}: no gradient"
-            assert_close(
-                ctx,
-                f"step {step} {fqn} sharded grad",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
-            )
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
-        for fqn, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"{fqn} after step {step}",
-                param.detach().full_tensor(),
-                oracle.get_parameter(fqn),
-                FP32["param"],
-            )
+            ograd = oracle.get_parameter(fqn).grad
+            assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
+        step_and_compare(ctx, model, oracle, (opt, oopt), step)
