@@ -235,12 +235,26 @@ def _in_function(tree: ast.AST, line: int) -> bool:
 
 
 def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Reach) -> list[str]:
-    """The case ids (pytest node ids) of the coverage map that reach the mutant."""
-    chosen = []
-    for nodeid, files in coverage.items():
-        lines = files.get(file)
-        if not lines:
-            continue
-        if where.import_time or not where.lines.isdisjoint(lines):
-            chosen.append(nodeid)
-    return chosen
+    """The case ids (pytest node ids) of the coverage map that reach the mutant.
+
+    A change at import time (module or class level) selects every case that ran any line of the
+    mutated file's *part*: module-level code runs once per worker process, when the first case
+    imports it, so the file's own lines name one case per worker, not the cases that use what the
+    module defines (an ``__all__``, a dataclass, a constant read by another file of the part)."""
+    if where.import_time:
+        part = part_of(file)
+        return [
+            nodeid for nodeid, files in coverage.items() if any(_in_part(f, part) for f in files)
+        ]
+    return [
+        nodeid
+        for nodeid, files in coverage.items()
+        if files.get(file) and not where.lines.isdisjoint(files[file])
+    ]
+
+
+def _in_part(file: str, part: str) -> bool:
+    try:
+        return part_of(file) == part
+    except ValueError:  # a file outside the reference's parts
+        return False

@@ -92,10 +92,18 @@ def test_reach_maps_a_mutant_to_the_lines_that_expose_it():
 
 
 def test_selection_takes_the_cases_that_ran_the_lines():
-    cov = {"a": {"reference/x.py": [9, 10]}, "b": {"reference/x.py": [8]}, "c": {"other": [9]}}
-    assert population.select_cases(cov, "reference/x.py", population.reach(SOURCE, 9)) == ["a"]
+    x, y = "reference/wrap/x.py", "reference/wrap/y.py"  # one part
+    cov = {
+        "a": {x: [9, 10]},
+        "b": {x: [8]},
+        "c": {"other": [9]},
+        "d": {y: [1]},  # ran nothing of x: its import happened in an earlier case
+        "e": {"reference/_fsdp1/z.py": [9]},  # another part
+    }
+    assert population.select_cases(cov, x, population.reach(SOURCE, 9)) == ["a"]
+    # a module-level change: every case that ran anything of the file's part
     whole = population.reach(SOURCE, 3)
-    assert population.select_cases(cov, "reference/x.py", whole) == ["a", "b"]
+    assert population.select_cases(cov, x, whole) == ["a", "b", "d"]
 
 
 def test_annotations_are_not_mutated(tmp_path):
