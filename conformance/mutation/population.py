@@ -240,11 +240,15 @@ def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Re
     A change at import time (module or class level) selects every case that ran any line of the
     mutated file's *part*: module-level code runs once per worker process, when the first case
     imports it, so the file's own lines name one case per worker, not the cases that use what the
-    module defines (an ``__all__``, a dataclass, a constant read by another file of the part)."""
+    module defines (an ``__all__``, a dataclass, a constant read by another file of the part). A
+    case that ran no reference line at all can only depend on such definitions: it is selected
+    too (e.g. one that builds the FSDP1 configuration dataclasses, whose methods are generated)."""
     if where.import_time:
         part = part_of(file)
         return [
-            nodeid for nodeid, files in coverage.items() if any(_in_part(f, part) for f in files)
+            nodeid
+            for nodeid, files in coverage.items()
+            if not files or any(_in_part(f, part) for f in files)
         ]
     return [
         nodeid

@@ -99,11 +99,12 @@ def test_selection_takes_the_cases_that_ran_the_lines():
         "c": {"other": [9]},
         "d": {y: [1]},  # ran nothing of x: its import happened in an earlier case
         "e": {"reference/_fsdp1/z.py": [9]},  # another part
+        "f": {},  # ran no reference line: it can only use what modules define at import
     }
     assert population.select_cases(cov, x, population.reach(SOURCE, 9)) == ["a"]
     # a module-level change: every case that ran anything of the file's part
     whole = population.reach(SOURCE, 3)
-    assert population.select_cases(cov, x, whole) == ["a", "b", "d"]
+    assert population.select_cases(cov, x, whole) == ["a", "b", "d", "f"]
 
 
 def test_annotations_are_not_mutated(tmp_path):
