@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -560,7 +561,7 @@ def session_files(spec: str, flag: str) -> list[Path]:
     """The session files a comma-separated list of paths or globs names (``flag`` for errors)."""
     paths = []
     for part in (x.strip() for x in spec.split(",") if x.strip()):
-        found = sorted(Path().glob(part)) if any(c in part for c in "*?[") else [Path(part)]
+        found = [Path(f) for f in sorted(glob.glob(part))] if glob.has_magic(part) else [Path(part)]
         if not found or not all(f.is_file() for f in found):
             raise SystemExit(f"mutation: {flag} {part!r}: no such session file")
         paths += found

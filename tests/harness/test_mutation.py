@@ -287,3 +287,14 @@ def test_a_statement_no_main_case_runs_is_judged_at_the_fallback_world_sizes():
     main = {"lines": {"f[r-ws2-a]": {file: [line]}}, "duration": {}}
     asked.clear()
     assert prepare(mutant, ROOT, main, fallback({}))["cases"] == ["f[r-ws2-a]"] and not asked
+
+
+def test_session_files_take_absolute_globs_and_name_a_missing_file(tmp_path):
+    from conformance.mutation.run import session_files
+
+    for name in ("session-a-1of1.jsonl", "session-b-1of1.jsonl"):
+        (tmp_path / name).write_text("")
+    found = session_files(f"{tmp_path}/session-*.jsonl", "--carry")
+    assert [p.name for p in found] == ["session-a-1of1.jsonl", "session-b-1of1.jsonl"]
+    with pytest.raises(SystemExit, match="--carry .*: no such session file"):
+        session_files(str(tmp_path / "nope.jsonl"), "--carry")
