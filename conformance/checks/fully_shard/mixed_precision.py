@@ -213,14 +213,7 @@ def output_dtype_and_input_cast(ctx):
     """``output_dtype=fp32`` casts the bf16 forward output back to fp32; with
     ``cast_forward_inputs=False`` the root's fp32 input reaches it uncast (each child still casts)."""
     ns = ctx.impl.ns
-    ctx.seed(0)
-    model = Net().to(ctx.device)
-    for layer in ("l1", "l2"):
-        ns.fully_shard(
-            model.get_submodule(layer),
-            mesh=ctx.mesh,
-            mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
-        )
+    model = _net_with_bf16_children(ctx)
     ns.fully_shard(
         model,
         mesh=ctx.mesh,
@@ -291,14 +284,7 @@ def output_dtype_without_grad(ctx, mode):
     ``torch.inference_mode()`` a root with ``param_dtype=bf16, output_dtype=fp32`` returns an
     fp32 output without grad, equal to the output of the grad-enabled forward before it (P5)."""
     ns = ctx.impl.ns
-    ctx.seed(0)
-    model = Net().to(ctx.device)
-    for layer in ("l1", "l2"):
-        ns.fully_shard(
-            model.get_submodule(layer),
-            mesh=ctx.mesh,
-            mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
-        )
+    model = _net_with_bf16_children(ctx)
     ns.fully_shard(
         model, mesh=ctx.mesh, mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP32)
     )
@@ -314,3 +300,18 @@ def output_dtype_without_grad(ctx, mode):
         f"{ctx.where()} {mode}: the output differs from the grad-enabled forward's "
         f"(max |diff| {(out - expected.detach()).abs().max().item():.3g})"
     )
+
+
+def _net_with_bf16_children(ctx):
+    """``Net`` (seeded) with ``l1`` and ``l2`` each a unit of ``param_dtype=bf16``; the root is
+    left for the caller to shard."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    model = Net().to(ctx.device)
+    for layer in ("l1", "l2"):
+        ns.fully_shard(
+            model.get_submodule(layer),
+            mesh=ctx.mesh,
+            mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
+        )
+    return model

@@ -138,17 +138,7 @@ def _train(ctx, model, oracle, dim, steps=STEPS):
         assert_close(
             ctx, f"step {step} loss", loss, F.mse_loss(oracle(x[mine]).detach(), y[mine]), TOL
         )
-        for name, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"step {step} {name} gradient (full_tensor)",
-                param.grad.full_tensor(),
-                oracle.get_parameter(name).grad,
-                TOL,
-            )
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
+        _compare_grads_then_step(ctx, model, oracle, (opt, oopt), step)
 
 
 @check(
@@ -312,17 +302,22 @@ def train_parity_sequence_parallel(ctx):
         assert_close(
             ctx, f"step {step} loss", loss, F.mse_loss(oout[samples].detach(), y[samples]), TOL
         )
-        for name, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"step {step} {name} gradient (full_tensor)",
-                param.grad.full_tensor(),
-                oracle.get_parameter(name).grad,
-                TOL,
-            )
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
+        _compare_grads_then_step(ctx, model, oracle, (opt, oopt), step)
     for name, param in model.named_parameters():
         full = param.detach().full_tensor()
         assert_close(ctx, f"{name} after {STEPS} steps", full, oracle.get_parameter(name), TOL)
+
+
+def _compare_grads_then_step(ctx, model, oracle, optimizers, step: int) -> None:
+    """Every parameter's full gradient equals the oracle's; then step and zero both optimizers."""
+    for name, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"step {step} {name} gradient (full_tensor)",
+            param.grad.full_tensor(),
+            oracle.get_parameter(name).grad,
+            TOL,
+        )
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
