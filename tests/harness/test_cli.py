@@ -219,6 +219,14 @@ def _processes_with_marker(marker: str) -> list[int]:
     return found
 
 
+def sigint_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT back to its default disposition. A job started in the
+    background of a non-interactive shell (``cmd &``, as CI runners and ``nohup`` launches do)
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the Ctrl-C
+    these tests send would be ignored and they would wait for the sleeping check to end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     marker = f"FSDP_SELFTEST_MARKER={os.getpid()}_{time.time_ns()}"
     key, value = marker.split("=")
@@ -242,6 +250,7 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
         text=True,
         env={**os.environ, key: value},
         start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,  # a background launch inherits SIGINT ignored
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(_processes_with_marker(marker)) < 3:

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.test_cli import FAKE_ON_SELFCHECKS, ROOT, run_conformance
+from tests.harness.test_cli import (
+    FAKE_ON_SELFCHECKS,
+    ROOT,
+    run_conformance,
+    sigint_as_in_a_terminal,
+)
 
 FAKE = "tests.harness.fake_impl:FakeImpl"
 
@@ -197,6 +202,7 @@ def _start(tmp_path, *args):
         [sys.executable, "-m", "conformance", *args, "--reports-dir", str(tmp_path / "r")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, key: value}, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
     )  # fmt: skip
     return proc, marker
 
