@@ -249,7 +249,7 @@ def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") ->
     key = tree_hash(tree) + "-ws" + "".join(map(str, ws)) + (f"-k{digest}" if checks else "")
     cache = work / f"coverage-{key}.json"
     if cache.exists():
-        return json.loads(cache.read_text())
+        return json.loads(cache.read_text()) | {"ws": ",".join(map(str, ws))}
     trace_dir = work / "trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     trace_dir.mkdir(parents=True)
@@ -290,6 +290,7 @@ def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") ->
         "lines": usable,
     }
     cache.write_text(json.dumps(data))
+    data["ws"] = ",".join(map(str, ws))
     print(
         f"mutation: coverage map of {len(usable)} cases in {data['wall_s']} s "
         f"({len(data['control_failures'])} control failures left out)",
@@ -494,7 +495,6 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
         """The coverage map at the fallback world sizes, measured on first use."""
         if not extra:
             extra.append(measure_coverage(tree, work, args.fallback_ws, args.checks))
-            extra[0]["ws"] = ",".join(map(str, args.fallback_ws))
         return extra[0]
 
     widen = fallback if args.fallback_ws else None
@@ -578,6 +578,24 @@ def fingerprints(tree: Path, mutants: list) -> dict[str, object]:
     return {population.fingerprint(m, *population.mutated_source(tree, m)): m for m in mutants}
 
 
+def carry_over(paths: list[Path], tree: Path, todo: list, session: Path) -> list:
+    """Append to ``session`` the verdicts of ``paths`` that carry over to mutants of ``todo`` (see
+    the Note), under today's ids; return the mutants still to judge."""
+    old = {f: rec for f, rec in by_fingerprint(paths).items() if rec["status"] in CARRIED}
+    named = ", ".join(p.name for p in paths)
+    take = [
+        old[f] | m.as_dict() | {"carried": named}
+        for f, m in fingerprints(tree, todo).items()
+        if f in old
+    ]
+    with open(session, "a") as out:
+        for rec in take:
+            out.write(json.dumps(rec) + "\n")
+    print(f"mutation: --carry: {len(take)} verdict(s) taken over unjudged", flush=True)
+    taken = {rec["id"] for rec in take}
+    return [m for m in todo if m.id not in taken]
+
+
 def session_paths(work: Path, key: str) -> list[Path]:
     return sorted(work.glob(f"session-{key}-*.jsonl"))
 
@@ -617,9 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         earlier = by_fingerprint(session_files(args.draw_from, "--draw-from"))
         kinds = {(r["file"], r["operator"]) for r in earlier.values()}
         found = fingerprints(tree, [m for m in everything if (m.file, m.operator) in kinds])
-        drawn = sorted(
-            (m for f, m in found.items() if f in earlier), key=lambda m: everything.index(m)
-        )
+        again = {m for f, m in found.items() if f in earlier}
+        drawn = [m for m in everything if m in again]  # the population's order
         print(
             f"mutation: --draw-from: {len(drawn)} of its {len(earlier)} mutants found again "
             f"(the others' lines changed since)",
@@ -646,23 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         done = load_session(session_paths(work, key))  # any shard's verdicts count
         todo = [m for m in mine if m.id not in done]
         if args.carry:
-            old = {
-                f: rec
-                for f, rec in by_fingerprint(session_files(args.carry, "--carry")).items()
-                if rec["status"] in CARRIED
-            }
-            named = ", ".join(p.name for p in session_files(args.carry, "--carry"))
-            take = [
-                old[f] | m.as_dict() | {"carried": named}
-                for f, m in fingerprints(tree, todo).items()
-                if f in old
-            ]
-            with open(session, "a") as out:
-                for rec in take:
-                    out.write(json.dumps(rec) + "\n")
-            taken = {rec["id"] for rec in take}
-            todo = [m for m in todo if m.id not in taken]
-            print(f"mutation: --carry: {len(take)} verdict(s) taken over unjudged", flush=True)
+            todo = carry_over(session_files(args.carry, "--carry"), tree, todo, session)
         print(
             f"mutation: population {len(everything)}, drawn {len(drawn)} "
             + (f"(from {args.draw_from}), " if args.draw_from else f"(seed {args.seed}), ")
