@@ -126,7 +126,7 @@ def mutation(session: nox.Session) -> None:
 
 
 # -- versions: the suite over several torch releases, one virtualenv per torch ------------------
-# The supported releases (README, "Torch versions"); each installs here (2.13.0 from the local CPU
+# The supported releases (docs/torch-versions.md); each installs here (2.13.0 from the local CPU
 # wheel, the others as their PyPI builds). Override: $FSDP_CONFORMANCE_TORCH_VERSIONS (whitespace-
 # separated pip requirements or wheel paths) or requirements among the posargs.
 VERSIONS = "torch==2.11.0 torch==2.12.1 torch==2.13.0 torch==2.14.1"

@@ -2,7 +2,7 @@
 
 Equivalent to ``python -m pytest -p conformance.plugin conformance/checks [--check-dir dirs] [args]``;
 ``python -m conformance --help`` lists the options (group "fsdp conformance"). Its exit codes are
-described in the README ("Exit codes and signals") and in ``conformance.plugin.exit_status``.
+described in docs/running.md ("Exit codes and signals") and in ``conformance.plugin.exit_status``.
 
 ``python -m conformance <subcommand> [args]`` runs one of :data:`SUBCOMMANDS` instead.
 """

@@ -101,5 +101,5 @@ def inherit_hint(meta, impl, results) -> str:
         f'If {impl.name} is built on {base} and keeps this behaviour, set `inherits = "{base}"` on '
         f"its adapter (a class attribute, or FullyShardAdapter / FlatParamAdapter(..., "
         f'inherits="{base}")): the case is then expected (xfail) or steered around as for {base}. '
-        f"See the README, 'Writing an adapter'."
+        f"See docs/adapters.md, 'Upstream's known deviations'."
     )

@@ -282,7 +282,7 @@ def _session(config) -> ConformanceSession:
     return config.stash[_SESSION_KEY]
 
 
-# [Note: exit codes] of ``python -m conformance`` (see README, "Exit codes and signals")
+# [Note: exit codes] of ``python -m conformance`` (see docs/running.md, "Exit codes and signals")
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 _outcome: dict[str, int] = {}  # "usage_error" / "signal" of the last run in this process

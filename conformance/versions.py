@@ -115,7 +115,7 @@ def support_warning(torch_version: str) -> str | None:
         return None
     return (
         f"fsdp conformance: WARNING torch {torch_version} is outside the supported range "
-        f"{SUPPORTED} (README, 'Torch versions'): the reference and the harness use torch APIs of "
+        f"{SUPPORTED} (docs/torch-versions.md): the reference and the harness use torch APIs of "
         f"that range, so a failure here may be the suite's, not the implementation's; compare with "
         f"a run on a torch inside the range"
     )

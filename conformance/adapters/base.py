@@ -2,7 +2,7 @@
 
 A vendor writes one subclass of :class:`Implementation` (or reuses :class:`FullyShardAdapter` /
 :class:`FlatParamAdapter` when its fork keeps upstream's API) and points the harness at it with
-``--impl package.module:attr``. See the README, "Writing an adapter".
+``--impl package.module:attr``. See docs/adapters.md.
 
 [Note: capabilities]
 An implementation *declares* what it supports as a set of capability names (the constants below).
@@ -69,7 +69,7 @@ ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
 )
 
-# What declaring each capability promises (the README's "Capabilities" table is generated from
+# What declaring each capability promises (the "Capabilities" table of docs/adapters.md is generated from
 # this and from the checks that need each one: ``python -m conformance.capabilities --write``).
 PROMISES = {
     PER_PARAM_DIM0: "every parameter is sharded on its own along dim 0: rank r holds rows "

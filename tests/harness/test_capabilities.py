@@ -1,4 +1,4 @@
-"""The README's "Capabilities" table is true: one row per capability constant, each with what
+"""The "Capabilities" table of docs/adapters.md is true: one row per capability constant, each with what
 declaring it promises, and the cases it gates as the check registry says today."""
 
 from conformance import capabilities
@@ -14,9 +14,9 @@ def test_every_capability_has_a_promise():
 
 def test_readme_table_is_current():
     current = capabilities.readme_table(capabilities.README.read_text())
-    assert current is not None, "README.md lost the capabilities table's markers"
+    assert current is not None, "docs/adapters.md lost the capabilities table's markers"
     assert current == capabilities.table(), (
-        "README.md's capabilities table is stale: run `python -m conformance.capabilities --write`"
+        "docs/adapters.md's capabilities table is stale: run `python -m conformance.capabilities --write`"
     )
 
 

@@ -259,7 +259,7 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path):
     assert len(_processes_with_marker(marker)) >= 3, "driver and two workers never appeared"
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out  # 128 + SIGINT (README, "Exit codes and signals")
+    assert proc.returncode == 130, out  # 128 + SIGINT (docs/running.md, "Exit codes and signals")
     (run,) = (tmp_path / "r" / "runs").iterdir()  # the partial reports are written there
     assert json.loads((run / "conformance.json").read_text())["interrupted"] is True, out
     deadline = time.monotonic() + 15
