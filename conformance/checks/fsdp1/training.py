@@ -32,6 +32,10 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.collectives import observe_reduce_scatter
+from conformance.checks._shared.mp_models import CASES as MP_CASES
+from conformance.checks._shared.mp_models import batch as _batch
+from conformance.checks._shared.mp_models import build as build_mp
 from conformance.checks._shared.oracle import (
     FP32,
     MODELS,
@@ -44,9 +48,6 @@ from conformance.checks._shared.oracle import (
 )
 from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fully_shard.mixed_precision import CASES as MP_CASES
-from conformance.checks.fully_shard.mixed_precision import _batch, observe_reduce_scatter
-from conformance.checks.fully_shard.mixed_precision import build as build_mp
 from conformance.registry import check
 
 FLAT_TRAINING = {base.TRAINING, base.FLAT_PARAM}
@@ -254,7 +255,9 @@ FLAT_MP_CASES = {k: {"name": k} for k, v in MP_CASES.items() if v["orig"] == FP3
 
 
 @check(
-    area="mixed_precision", requires={base.MIXED_PRECISION, base.FLAT_PARAM}, cases=FLAT_MP_CASES
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.AUTO_WRAP},
+    cases=FLAT_MP_CASES,
 )
 def flat_mixed_precision_dtypes(ctx, name):
     """FSDP1 MixedPrecision: forward sees inputs and parameters in ``param_dtype or orig`` and
@@ -277,9 +280,9 @@ def flat_mixed_precision_dtypes(ctx, name):
     with observe_reduce_scatter() as calls:
         out.float().sum().backward()
     if ctx.world_size > 1:
-        assert calls and all(c == (reduce, reduce) for c in calls), (
-            f"{ctx.where()} {name}: reduce-scatter (input, output) dtypes {calls}, expected all "
-            f"{reduce}"
+        assert calls and all(c.dtypes == (reduce, reduce) for c in calls), (
+            f"{ctx.where()} {name}: reduce-scatters {calls} (op, input, output dtype), expected "
+            f"input and output in {reduce}"
         )
     grad_dtype = spec["orig"]
     for fqns, flat in ctx.impl.flat_shards(model):

@@ -9,151 +9,30 @@ Then, per floating-point parameter with original dtype ``orig``:
 * the reduce-scatter runs in ``reduce_dtype or compute dtype`` (input and output of the collective);
 * sharded parameters and their sharded gradients stay in ``orig``.
 Non-floating parameters keep their dtype everywhere.
-The reduce-scatter is observed by wrapping ``torch.distributed.reduce_scatter_single`` (and the
-older ``reduce_scatter_tensor`` / ``_reduce_scatter_base``) for the duration of one backward; a world
-of one rank has nothing to reduce-scatter, so those checks start at world size 2.
+The reduce-scatter is observed for the duration of one backward by the shared collective spy
+(``_shared/collectives.py``), which sees every path a correct FSDP may take (``torch.distributed``,
+functional collectives, DTensor ``redistribute``); a world of one rank has nothing to
+reduce-scatter, so those checks start at world size 2. The model, the policies and what each one
+implies (:data:`CASES`) are in ``_shared/mp_models.py``; :func:`build` shards each layer as its own
+unit, so the checks that call it require ``auto-wrap``.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.collectives import observe_reduce_scatter
+from conformance.checks._shared.mp_models import CASES, Net, Probe, build
+from conformance.checks._shared.mp_models import batch as _batch
 from conformance.registry import check
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-class Probe(nn.Module):
-    """A Linear that records the dtypes of its input and parameters inside forward."""
-
-    def __init__(self, fan_in, fan_out, salt, dtype=FP32):
-        super().__init__()
-        self.weight = nn.Parameter((distinct_values((fan_out, fan_in), salt) / 100.0).to(dtype))
-        self.bias = nn.Parameter((distinct_values((fan_out,), salt + 1) / 100.0).to(dtype))
-        self.seen: list[dict] = []
-
-    def forward(self, x):
-        self.seen.append({"input": x.dtype, "weight": self.weight.dtype, "bias": self.bias.dtype})
-        return F.linear(x, self.weight, self.bias)
-
-
-class Net(nn.Module):
-    """Two Probe layers (dims 6 and 3: uneven at ws 4) and an int64 parameter that forward reads."""
-
-    def __init__(self, dtype=FP32, with_int=False):
-        super().__init__()
-        self.l1 = Probe(4, 6, 0, dtype)
-        self.l2 = Probe(6, 3, 2, dtype)
-        if with_int:
-            self.index = nn.Parameter(torch.arange(5), requires_grad=False)
-        self.seen_index: list[torch.dtype] = []
-
-    def forward(self, x):
-        if hasattr(self, "index"):
-            self.seen_index.append(self.index.dtype)
-        return self.l2(torch.tanh(self.l1(x)))
-
-
-@contextlib.contextmanager
-def observe_reduce_scatter():
-    """Record (input dtype, output dtype) of every reduce-scatter issued inside the block."""
-    calls: list[tuple[torch.dtype, torch.dtype]] = []
-    originals = {}
-
-    def wrap(name, fn):
-        def spy(*args, **kwargs):
-            out = kwargs.get("output", args[0] if args else None)
-            inp = kwargs.get("input", args[1] if len(args) > 1 else None)
-            if isinstance(inp, (list, tuple)):  # list-input variants
-                inp = inp[0]
-            calls.append((getattr(inp, "dtype", None), getattr(out, "dtype", None)))
-            return fn(*args, **kwargs)
-
-        return spy
-
-    for name in (
-        "reduce_scatter_single",
-        "reduce_scatter_tensor",
-        "_reduce_scatter_base",
-        "reduce_scatter",
-    ):
-        if hasattr(dist, name):
-            originals[name] = getattr(dist, name)
-            setattr(dist, name, wrap(name, originals[name]))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
-def build(ctx, mp, dtype=FP32, with_int=False):
-    ctx.seed(0)
-    model = Net(dtype, with_int).to(ctx.device)
-    plan = [("l1", {}), ("l2", {}), ("", {})]
-    return ctx.impl.shard(model, ctx, plan=plan, mixed_precision=mp)
-
-
-# (policy, original dtype) -> expected compute dtype and reduce-scatter dtype
-CASES = {
-    "bf16-fp32": {
-        "mp": {"param_dtype": BF16, "reduce_dtype": FP32},
-        "orig": FP32,
-        "compute": BF16,
-        "reduce": FP32,
-    },
-    "bf16-none": {"mp": {"param_dtype": BF16}, "orig": FP32, "compute": BF16, "reduce": BF16},
-    "bf16-bf16": {
-        "mp": {"param_dtype": BF16, "reduce_dtype": BF16},
-        "orig": FP32,
-        "compute": BF16,
-        "reduce": BF16,
-    },
-    "fp16-none": {"mp": {"param_dtype": FP16}, "orig": FP32, "compute": FP16, "reduce": FP16},
-    "fp32-bf16": {
-        "mp": {"param_dtype": FP32, "reduce_dtype": BF16},
-        "orig": FP32,
-        "compute": FP32,
-        "reduce": BF16,
-    },
-    "none-bf16": {"mp": {"reduce_dtype": BF16}, "orig": FP32, "compute": FP32, "reduce": BF16},
-    "fp32-fp32": {
-        "mp": {"param_dtype": FP32, "reduce_dtype": FP32},
-        "orig": FP32,
-        "compute": FP32,
-        "reduce": FP32,
-    },
-    # bf16 parameters: param_dtype=bf16 clamps to None, a fp32 reduce stays
-    "orig-bf16-bf16-fp32": {
-        "mp": {"param_dtype": BF16, "reduce_dtype": FP32},
-        "orig": BF16,
-        "compute": BF16,
-        "reduce": FP32,
-    },
-    # bf16 parameters upcast for compute
-    "orig-bf16-fp32-none": {
-        "mp": {"param_dtype": FP32},
-        "orig": BF16,
-        "compute": FP32,
-        "reduce": FP32,
-    },
-}
-
-
-def _batch(ctx):
-    return (distinct_values((2, 4), 9) / 100.0).to(ctx.device)
-
-
 @check(
     area="mixed_precision",
-    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
+    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS, base.AUTO_WRAP},
     cases={k: {"name": k} for k in CASES},
 )
 def compute_and_storage_dtypes(ctx, name):
@@ -185,7 +64,7 @@ def compute_and_storage_dtypes(ctx, name):
 
 @check(
     area="mixed_precision",
-    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS},
+    requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS, base.AUTO_WRAP},
     cases={k: {"name": k} for k in CASES},
     min_world_size=2,
 )
@@ -198,13 +77,13 @@ def reduce_scatter_dtype(ctx, name):
     with observe_reduce_scatter() as calls:
         out.float().sum().backward()
     assert calls, (
-        f"{ctx.where()} {name}: no reduce-scatter observed through "
-        f"torch.distributed.reduce_scatter_single/_tensor during backward"
+        f"{ctx.where()} {name}: no reduce-scatter observed during backward (on any path: "
+        f"torch.distributed, functional collectives or DTensor redistribute)"
     )
-    bad = [c for c in calls if c != (spec["reduce"], spec["reduce"])]
+    bad = [c for c in calls if c.dtypes != (spec["reduce"], spec["reduce"])]
     assert not bad, (
-        f"{ctx.where()} {name}: reduce-scatter (input, output) dtypes {calls}, expected "
-        f"all {spec['reduce']}"
+        f"{ctx.where()} {name}: reduce-scatters {bad} (op, input, output dtype), expected "
+        f"input and output in {spec['reduce']}"
     )
 
 
@@ -254,7 +133,7 @@ def root_input_not_cast(ctx):
     layer.reshard()
 
 
-@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS})
+@check(area="mixed_precision", requires={base.MIXED_PRECISION, base.DTENSOR_PARAMS, base.AUTO_WRAP})
 def non_float_parameter(ctx):
     """An int64 parameter keeps int64 in forward and in its sharded form under param_dtype=bf16
     (the policy applies to floating-point parameters only), with its values intact."""
