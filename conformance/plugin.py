@@ -145,16 +145,20 @@ class ConformanceSession:
                 f"two selected implementations share a name: {names}",
                 "select one of them",
             )
-        if self.torchrun:
-            self.world_sizes = [int(os.environ["WORLD_SIZE"])]
+        if self.torchrun:  # one world size, $WORLD_SIZE (see docs/multi-node.md)
+            from conformance.runner.inprocess import launched_sizes
+
+            self.world_sizes, self.placement = launched_sizes(
+                opt.world_sizes, self.options.device, self.options.backend
+            )
         else:
             self.world_sizes = self.options.world_sizes or devices.default_world_sizes(
                 self.options.device
             )
-        self.placement = {
-            ws: devices.choose(ws, self.options.device, self.options.backend)
-            for ws in self.world_sizes
-        }
+            self.placement = {
+                ws: devices.choose(ws, self.options.device, self.options.backend)
+                for ws in self.world_sizes
+            }
         self._check_impl_devices()
         try:
             self._load_expectations()
@@ -285,6 +289,7 @@ def _session(config) -> ConformanceSession:
 # [Note: exit codes] of ``python -m conformance`` (see docs/running.md, "Exit codes and signals")
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
+EXIT_RANKS_LOST = 6  # torchrun / srun: ranks were lost mid-run (conformance.runner.inprocess)
 _outcome: dict[str, int] = {}  # "usage_error" / "signal" of the last run in this process
 
 
@@ -292,6 +297,8 @@ def exit_status(pytest_code: int) -> int:
     """The command's exit code for pytest's ``pytest_code`` (see [Note: exit codes])."""
     if _outcome.get("usage_error"):
         return EXIT_USAGE
+    if _outcome.get("ranks_lost"):
+        return EXIT_RANKS_LOST
     if pytest_code == pytest.ExitCode.INTERRUPTED:
         return 128 + _outcome.get("signal", signal.SIGINT)
     if pytest_code == pytest.ExitCode.USAGE_ERROR:  # pytest's own options
@@ -480,6 +487,10 @@ class CheckItem(pytest.Item):
             Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout, timeout_text)
         )
         self.rank_results = results
+        if getattr(group, "lost", None):  # torchrun / srun: ranks are gone, the run stops here
+            session.interrupted = group.lost_text  # the reports are partial, "INTERRUPTED by ..."
+            _outcome["ranks_lost"] = 1
+            self.session.shouldfail = group.lost_text
         if self.config.option.respawn_every_check:
             session.close_group()
         passed = (protocol.OK, protocol.NOT_SUPPORTED, protocol.SKIPPED)
