@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "selftest": "conformance.selftest.run:main",  # seeded faults and the mutation score
     "diff": "conformance.diff:main",  # outcome changes between two runs' conformance.json
     "list-checks": "conformance.listing:main",  # each check's id, file and line, and SPEC ids
+    "api-coverage": "conformance.apisurface.report:main",  # public API entries and their checks
 }
 
 
