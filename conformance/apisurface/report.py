@@ -5,6 +5,7 @@ checks that exercise it (or why it is out of scope). See docs/api-coverage.md.
     python -m conformance api-coverage --json          # the same as JSON
     python -m conformance api-coverage --trace         # measure again (one traced run; cached)
     python -m conformance api-coverage --trace --write # ... and update the snapshot
+    python -m conformance api-coverage --trace --only "hsdp or optim" --write  # new checks only
 
 Exit status: 0, or 1 with ``--check`` when an entry is neither covered nor out of scope.
 """
@@ -97,6 +98,30 @@ def snapshot_from_trace(data: dict) -> dict:
             for e, r in sorted(entries.items())
         },
     }
+
+
+def merge_snapshot(old: dict, partial: dict, expr: str) -> dict:
+    """``old`` with the checks a partial trace (``--only EXPR``) ran replaced by what they
+    recorded there: their old coverage goes, the partial trace's comes in."""
+    traced = {c["id"].split("[", 1)[0] for c in partial["cases"].values()}
+    new = snapshot_from_trace(partial)["entries"]
+    entries: dict[str, dict] = {}
+    for entry, row in old.get("entries", {}).items():
+        kept = [c for c in row["checks"] if c not in traced]
+        if kept:
+            entries[entry] = dict(row, checks=kept)
+    for entry, row in new.items():
+        if entry in entries:
+            was = entries[entry]
+            row = {
+                "checks": sorted({*was["checks"], *row["checks"]}),
+                "impls": sorted({*was.get("impls", []), *row["impls"]}),
+                "values": sorted({*was.get("values", []), *row["values"]})[:8],
+            }
+        entries[entry] = row
+    merged = dict(old, entries=dict(sorted(entries.items())))
+    merged["merged"] = [*old.get("merged", []), expr]
+    return merged
 
 
 def load_snapshot(path: Path = SNAPSHOT) -> dict:
@@ -207,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fresh", action="store_true", help="with --trace: ignore the cache")
     parser.add_argument(
+        "--only",
+        metavar="EXPR",
+        help="with --trace: trace only the cases `-k EXPR` selects (new checks) and merge them "
+        "into the snapshot, replacing what those checks recorded before (not cached)",
+    )
+    parser.add_argument(
         "--write", action="store_true", help="with --trace: write the snapshot coverage.json"
     )
     parser.add_argument(
@@ -225,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     trace = _trace()
     ws = [int(w) for w in args.world_sizes.split(",") if w.strip()]
     surface = surface_mod.entries()
-    if args.trace:
+    if args.only and not args.trace:
+        parser.error("--only selects what --trace measures: add --trace")
+    if args.trace and args.only:
+        partial = trace.run_trace(ws, extra=["-k", args.only])
+        snapshot = merge_snapshot(load_snapshot(), partial, args.only)
+        print(f"api-coverage: traced {len(partial['cases'])} cases in {partial['wall_s']} s",
+              file=sys.stderr)  # fmt: skip
+    elif args.trace:
         snapshot = snapshot_from_trace(trace.cached_trace(ws, refresh=args.fresh))
         if args.write:
             SNAPSHOT.write_text(json.dumps(snapshot, indent=1) + "\n")
@@ -246,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if snapshot.get("key") and snapshot["key"] != current:
         header.append("The snapshot was measured on another tree (conformance/ changed since): "
                       "`python -m conformance api-coverage --trace --write` measures it again.")  # fmt: skip
+    if snapshot.get("merged"):
+        header.append("Partial traces merged in since: " + ", ".join(
+            f"`-k {e}`" for e in snapshot["merged"]))  # fmt: skip
     found = problems(surface, snapshot, out_of_scope)
     header += [f"- problem: {p}" for p in found]
     if args.json:

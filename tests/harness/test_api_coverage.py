@@ -138,6 +138,27 @@ def test_rows_and_problems_on_a_synthetic_surface():
     assert report.summary(list(table.values()))["uncovered"] == 1
 
 
+def test_a_partial_trace_replaces_what_its_checks_recorded():
+    old = {
+        "key": "k",
+        "entries": {
+            "fsdp.a": {"checks": ["x::one", "x::two"], "impls": ["torch-fsdp2"], "values": []},
+            "fsdp.b": {"checks": ["x::two"], "impls": ["torch-fsdp2"], "values": []},
+        },
+    }
+    case = {"id": "x::two[ws2]", "check": "two", "impl": "torch-fsdp1", "outcome": "pass"}
+    partial = {"cases": {"n1": case | {"entries": {"fsdp.c": ["1"]}}}}
+    merged = report.merge_snapshot(old, partial, "two")
+    assert merged["entries"]["fsdp.a"]["checks"] == ["x::one"]  # x::two no longer calls it
+    assert "fsdp.b" not in merged["entries"]
+    assert merged["entries"]["fsdp.c"] == {
+        "checks": ["x::two"],
+        "impls": ["torch-fsdp1"],
+        "values": ["1"],
+    }
+    assert (merged["key"], merged["merged"]) == ("k", ["two"])
+
+
 @pytest.fixture(scope="module")
 def tiny_trace():
     return trace.run_trace(
