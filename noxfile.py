@@ -1,4 +1,4 @@
-"""Sessions: ``conformance`` (the main job), ``tests``, ``selftest``, ``perf``, ``lint``, ``versions``.
+"""Sessions: ``conformance`` (the main job), ``tests``, ``selftest``, ``perf``, ``lint``, ``versions``, ``report``.
 
 The torch installed into every session is ``$FSDP_CONFORMANCE_TORCH`` — a pip requirement
 (``torch==2.13.0``, the default) or a path to a wheel: how a vendor tests its own torch build.
@@ -21,7 +21,8 @@ nox.options.default_venv_backend = "venv"
 
 TORCH = os.environ.get("FSDP_CONFORMANCE_TORCH", "torch==2.13.0")
 # numpy: torch's object collectives (all_gather_object, broadcast_object_list) need it.
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pytest-benchmark>=4", "numpy"]
+# jinja2: the HTML scoreboard's template (conformance/html/); torch depends on it already.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pytest-benchmark>=4", "numpy", "jinja2>=3"]
 
 
 def install_torch(session: nox.Session) -> None:
@@ -180,6 +181,19 @@ def versions(session: nox.Session) -> None:
     session.run("python", "-m", "conformance.versions", *reports, "--output-dir", "reports")
     if failed:
         session.error(f"failures on {', '.join(failed)}: see reports/versions.md")
+
+
+@nox.session
+def report(session: nox.Session) -> None:
+    """One HTML scoreboard from several runs (``conformance/html/``): the runs' report
+    directories or ``conformance.json`` files after ``--``, in column order, and ``-o PAGE``
+    (default ``reports/scoreboard.html``); without any, the runs of ``nox -s versions``
+    (``reports/versions/*/``), else ``reports/``."""
+    session.install("jinja2>=3")  # the page's template engine; nothing else: no torch needed
+    runs = session.posargs or (
+        sorted(str(p) for p in Path("reports/versions").glob("*/conformance.json")) or ["reports"]
+    )
+    session.run("python", "-m", "conformance", "report", *runs)
 
 
 LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]

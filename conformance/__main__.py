@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "diff": "conformance.diff:main",  # outcome changes between two runs' conformance.json
     "list-checks": "conformance.listing:main",  # each check's id, file and line, and SPEC ids
     "api-coverage": "conformance.apisurface.report:main",  # public API entries and their checks
+    "report": "conformance.html:main",  # one HTML scoreboard from one or more runs
 }
 
 

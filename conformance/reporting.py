@@ -1,4 +1,4 @@
-"""Reports: the terminal matrix, ``reports/conformance.json`` and ``reports/conformance.md``.
+"""Reports: the terminal matrix, ``reports/conformance.json``, ``.md`` and ``.html`` (conformance/html/).
 
 (JUnit XML comes from pytest's own ``--junitxml``, which the plugin points at
 ``reports/conformance.xml`` unless you pass another path.)
@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -204,6 +205,7 @@ def shorten(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 
 def case_record(report, meta, outcome: str) -> dict:
+    message = _message(report, outcome)
     return {
         "id": meta.case_id,
         "nodeid": report.nodeid,
@@ -217,7 +219,7 @@ def case_record(report, meta, outcome: str) -> dict:
         "backend": meta.backend,
         "outcome": outcome,
         "duration_s": round(report.duration, 4),
-        "message": _message(report, outcome),
+        "message": message,
         "ranks": [
             {
                 "rank": r["rank"],
@@ -229,7 +231,33 @@ def case_record(report, meta, outcome: str) -> dict:
         ],
         "repro": repro_command(meta),
         **{k: v for k, v in report.user_properties if k in ("repro_script", "fuzz")},  # fuzz
+        **({"capability": gate_of(message)} if outcome == "not-supported" else {}),
+        **({"expectation": expectation_of(message)} if outcome == "xfail" else {}),
     }
+
+
+# the two NotSupported skips of conformance.plugin: a capability the check declares it needs, or
+# what the implementation raised NotSupported for while the check ran
+_GATE = re.compile(r"NotSupported: .*? does not (?:declare|support) (?P<gate>.+)", re.S)
+# an expected failure's message: "expected failure: <reason> [<file:line>; <signature>]"
+_ENTRY = re.compile(
+    r"(?:expected failure: )?(?P<reason>.*) \[(?P<source>[^;\[\]]+:\d+); (?P<signature>.*)\]\s*$",
+    re.S,
+)
+
+
+def gate_of(message: str) -> str:
+    """What gated a not-supported case (the capabilities, or what the implementation does not
+    support), from its message; "" when the message says neither."""
+    found = _GATE.search(message or "")
+    return found["gate"].strip() if found else ""
+
+
+def expectation_of(message: str) -> dict | None:
+    """An expected failure's entry (``reason``, ``source`` file:line, ``signature``) from its
+    message; None when the message does not end with one."""
+    found = _ENTRY.match(message or "")
+    return {k: found[k].strip() for k in ("reason", "source", "signature")} if found else None
 
 
 def matrix(records) -> tuple[list[tuple[str, str]], list[int], dict]:
@@ -308,12 +336,12 @@ def terminal_summary(tr, session, wall: float, stale) -> None:
         )
         if session.run_dir is not None:
             tr.write_line(
-                f"partial reports: {session.run_dir}/conformance.{{json,md,xml}} (marked "
+                f"partial reports: {session.run_dir}/conformance.{{json,md,xml,html}} (marked "
                 f"interrupted); {reports}/conformance.* still hold the latest finished run"
             )
     elif session.run_dir is not None:
         tr.write_line(
-            f"reports: {reports}/conformance.{{json,md,xml}} (this run: {session.run_dir})"
+            f"reports: {reports}/conformance.{{json,md,xml,html}} (this run: {session.run_dir})"
         )
 
 
@@ -375,7 +403,7 @@ def _command_line(rerun: Rerun) -> str:
 
 
 def write_files(session, wall: float, stale, directory: Path) -> None:
-    """``conformance.json`` and ``conformance.md`` of this run into ``directory`` (atomically)."""
+    """``conformance.json``, ``.md`` and ``.html`` of this run into ``directory`` (atomically)."""
     records = list(session.records.values())
     env = _environment(session, wall)
     summary = Counter(r["outcome"] for r in records)
@@ -387,12 +415,20 @@ def write_files(session, wall: float, stale, directory: Path) -> None:
     }
     write_atomic(directory / "conformance.json", json.dumps(doc, indent=1))
     write_atomic(directory / "conformance.md", markdown(env, records, stale))
+    try:  # the scoreboard (conformance/html/); a page that cannot be built loses no other report
+        from conformance import html
+
+        page = html.page([doc])
+    except Exception as exc:  # noqa: BLE001
+        print(f"WARNING conformance.html not built: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
+    write_atomic(directory / "conformance.html", page)
 
 
 # [Note: report files]
 # Each run writes into its own directory, <reports>/runs/<UTC time>-<pid>/ (created at start, with a
 # ".running" file naming the driver's pid), and at its end copies its files to <reports>/ itself:
-# the top-level conformance.{json,md,xml} are always the latest finished run's, and a run never
+# the top-level conformance.{json,md,xml,html} are always the latest finished run's, and a run never
 # overwrites another run's files. An interrupted run (Ctrl-C, SIGTERM) is not finished: its partial
 # reports, marked interrupted, stay in its own directory only (see keep_partial_run). Every file is written to a temporary name and renamed into place,
 # so a reader never sees half a file. A run that starts while another one is writing into the same

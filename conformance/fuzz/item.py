@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis.errors import Flaky, Unsatisfiable
 
+from conformance import expectations
 from conformance.fuzz import dropped, repro
 from conformance.fuzz.strategies import examples
-from conformance.plugin import CheckFailure, CheckItem, _format_failure, _session
+from conformance.plugin import CheckFailure, CheckItem, ExpectedFailure, _format_failure, _session
 from conformance.runner import protocol
 from conformance.runner.protocol import Task
 
 CI_EXAMPLES = 8  # examples per fuzz case without --fuzz-examples (derandomized: the same each run)
 # after this long (CI budget / --fuzz-examples), shrinking settles on the smallest failing example
 SHRINK_SECONDS = {"ci": 90.0, "deep": 300.0}
+SHRINK_ENV = "FSDP_CONFORMANCE_FUZZ_SHRINK_SECONDS"  # overrides both (0: report the first failure)
+
+
+def shrink_seconds(deep: bool) -> float:
+    """How long shrinking may run after a case's first failing example (see :data:`SHRINK_ENV`)."""
+    value = os.environ.get(SHRINK_ENV)
+    return float(value) if value else SHRINK_SECONDS["deep" if deep else "ci"]
 
 
 def digest(value) -> str:
@@ -49,7 +58,7 @@ class FuzzItem(CheckItem):
         budget = deep or CI_EXAMPLES
         timeout = meta.spec.timeout or self.config.option.check_timeout
         case_kwargs = meta.spec.cases[meta.case]
-        shrink_for = SHRINK_SECONDS["deep" if deep else "ci"]
+        shrink_for = shrink_seconds(bool(deep))
         drops = dropped(meta.spec.fn.fuzz_drops, meta.case, impl.name)
         features = meta.spec.fn.fuzz_features.difference(*(d.features for d in drops))
         settings_used = {
@@ -137,15 +146,33 @@ class FuzzItem(CheckItem):
         script = repro.snippet(self.meta, failure.example)
         self.user_properties.append(("repro_script", script))
         left_out = "".join(f"\n  {', '.join(sorted(d.features))}: {d.reason}" for d in drops)
-        return CheckFailure(
+        return judged(
+            self.expectation,
+            failure.results,
             f"fuzz example failed: {counts_line(stats, budget, shrink_for)}:\n{failure}\n\n"
             + (
                 f"Features left out of this case's examples for {self.meta.impl_name}:{left_out}\n\n"
                 if drops
                 else ""
             )
-            + f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}"
+            + f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}",
         )
+
+
+def judged(entry, results, text: str) -> CheckFailure:
+    """A failed fuzz case judged as a hand-written one is (:func:`conformance.plugin._failure`):
+    :class:`ExpectedFailure` (reported xfail) when its expectation entry's signature fits the
+    failing example's rank results, a plain failure naming the entry and what did not match when
+    it does not, a plain failure without an entry."""
+    if entry is None:
+        return CheckFailure(text)
+    why_not = entry.mismatch(expectations.failures(results))
+    if why_not is None:
+        return ExpectedFailure(text)
+    return CheckFailure(
+        f"listed in {entry.source} as {entry.prefix} {entry.signature()}, but failed "
+        f"differently: {why_not}\n{text}"
+    )
 
 
 def counts_line(stats, budget: int, shrink_for: float) -> str:

@@ -9,6 +9,7 @@ training at world size >= 2.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,8 +41,8 @@ class SummingFork(FullyShardAdapter):
         _fsdp_collectives._get_gradient_divide_factors = _summing_divide_factors
 
 
-def _run(args, cwd, timeout=600):
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def _run(args, cwd, timeout=600, env=None):
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _conformance(impl: str, world_size: int, reports, check: str):
@@ -326,3 +327,85 @@ def test_divide_factor_scales_the_oracle_gradient_per_unit():
     }
     scales = grad_scales(example, fm.build(example), 4)
     assert scales == {"0.weight": 4.0, "0.bias": 4.0, "2.weight": 4 / 3}
+
+
+def _rank_failure(detail: str):
+    from types import SimpleNamespace
+
+    from conformance.runner import protocol
+
+    trace = f"Traceback (most recent call last):\n  File 'x.py', line 1, in f\n{detail}\n"
+    return [
+        SimpleNamespace(rank=0, status=protocol.ERROR, detail=trace, duration=0.1),
+        SimpleNamespace(rank=1, status=protocol.OK, detail="", duration=0.1),
+    ]
+
+
+def test_a_fuzz_failure_is_judged_by_its_expectation_entry():
+    """A listed fuzz case is expected (xfail) when its entry's signature fits the failing
+    example's ranks, a plain failure naming the entry and the mismatch when it does not, and a
+    plain failure when nothing lists it (as a hand-written case: issue 26, point 2)."""
+    from conformance import expectations
+    from conformance.fuzz.item import judged
+    from conformance.plugin import CheckFailure, ExpectedFailure
+
+    (fits, other) = expectations.parse(
+        "fuzz::train_parity[ws2] raises=AssertionError match=/loss/ sums\n"
+        "fuzz::train_parity[ws2] raises=RuntimeError sums\n",
+        "mine.txt",
+    )
+    results = _rank_failure("AssertionError: [rank 0/2] step 0 loss 1.0 != 2.0")
+    assert type(judged(fits, results, "the text")) is ExpectedFailure
+    failure = judged(other, results, "the text")
+    assert type(failure) is CheckFailure and "listed in mine.txt:2" in str(failure), str(failure)
+    assert "raises=RuntimeError" in str(failure) and "the text" in str(failure)
+    assert type(judged(None, results, "the text")) is CheckFailure
+
+
+def test_a_listed_fuzz_case_is_an_expected_failure(tmp_path):
+    """End to end: the summing fork's train_parity failure at ws 2, listed in its expectations
+    file with a fitting signature, is reported xfail and the run passes."""
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "summing-fork.txt").write_text(
+        "fuzz::train_parity[ws2] raises=AssertionError match=/\\[rank \\d\\/2\\]/  sums over ranks\n"
+    )
+    reports = tmp_path / "reports"
+    args = ["--impl", FORK, "--world-sizes", "2", "--reports-dir", str(reports), "-q"]
+    run = _run(
+        [sys.executable, "-m", "conformance", *args, "--expectations-dir", str(exp)]
+        + ["-p", "no:cacheprovider", "conformance/checks/fuzz/fuzz.py::train_parity"],
+        cwd=ROOT,
+        env={**os.environ, "FSDP_CONFORMANCE_FUZZ_SHRINK_SECONDS": "0"},  # the first failure
+    )
+    (record,) = [
+        c
+        for c in json.loads((reports / "conformance.json").read_text())["cases"]
+        if c["id"] == "fuzz::train_parity[ws2]"
+    ]
+    assert record["outcome"] == "xfail", record["message"][-2000:]
+    assert run.returncode == 0, run.stdout[-3000:]
+
+
+def _has_zero(example) -> bool:
+    return any(p.numel() == 0 for p in fm.build(example).parameters())
+
+
+def test_shrinking_drops_an_unneeded_zero_leaf():
+    """Issue 26, point 3: a failure that needs no zero-size parameter (here: three steps, three
+    non-empty parameters, mixed precision) shrinks to an example without the extra zero-size leaf
+    (ZERO_SHARE shrinks toward "no leaf"); one that needs it keeps it."""
+    from hypothesis import HealthCheck, find
+
+    impl = load_implementation("reference")
+    quiet = settings(database=None, suppress_health_check=list(HealthCheck), max_examples=3000)
+    non_empty = lambda e: sum(1 for p in fm.build(e).parameters() if p.numel())  # noqa: E731
+    for what, fails in (
+        ("three steps", lambda e: e["steps"] == 3),
+        ("three parameters", lambda e: non_empty(e) >= 3),
+        ("mixed precision", lambda e: bool(e["options"].get("mixed_precision"))),
+    ):
+        smallest = find(fs.examples(2, impl, fs.ALL_FEATURES), fails, settings=quiet)
+        assert not _has_zero(smallest), (what, smallest["tree"])
+    needed = find(fs.examples(2, impl, fs.ALL_FEATURES), _has_zero, settings=quiet)
+    assert _has_zero(needed), needed["tree"]
