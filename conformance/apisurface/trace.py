@@ -376,23 +376,27 @@ def run_trace(
 
 
 def wide_selection(base: dict, ws: int) -> list[str]:
-    """The built-in checks to trace again at world size ``ws`` (> 2): those that can run there
-    and either had no covering case in ``base`` (the trace at world sizes 1 and 2: a check
-    written for 4 ranks) or need a 2-D mesh (``hsdp``: a mesh of 2 x 2 takes another path)."""
+    """The built-in checks to trace again at world size ``ws`` (> 2), as node ids
+    (``conformance/checks/x.py::name``): those that can run there and either had no covering
+    case in ``base`` (the trace at world sizes 1 and 2: a check written for 4 ranks) or need a
+    2-D mesh (``hsdp``: a mesh of 2 x 2 takes another path)."""
+    import inspect
+
     from conformance import spec
     from conformance.adapters import base as capabilities
     from conformance.registry import CHECKS
 
     spec.load_checks()
     covered = {c["id"].split("[", 1)[0] for c in base["cases"].values() if c["outcome"] in COVERING}
-    names = set()
+    targets = set()
     for check in CHECKS:
         runs = (check.world_sizes is None or ws in check.world_sizes) and ws >= check.min_world_size
         if runs and (
             f"{check.area}::{check.name}" not in covered or capabilities.HSDP in check.requires
         ):
-            names.add(check.name)
-    return sorted(names)
+            path = Path(inspect.getsourcefile(inspect.unwrap(check.fn))).resolve()
+            targets.add(f"{path.relative_to(ROOT).as_posix()}::{check.name}")
+    return sorted(targets)
 
 
 def full_trace(ws=DEFAULT_WS) -> dict:
@@ -402,9 +406,9 @@ def full_trace(ws=DEFAULT_WS) -> dict:
     small = [w for w in ws if w <= 2]
     data = run_trace(small) if small else {"cases": {}, "wall_s": 0.0}
     for wide in (w for w in ws if w > 2):
-        names = wide_selection(data, wide)
-        if names:
-            more = run_trace([wide], extra=["-k", " or ".join(names)])
+        targets = wide_selection(data, wide)
+        if targets:
+            more = run_trace([wide], extra=targets)
             data["cases"].update(more["cases"])
             data["wall_s"] = round(data["wall_s"] + more["wall_s"], 1)
     data["ws"] = list(ws)
