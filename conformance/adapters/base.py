@@ -64,6 +64,11 @@ FSDP1_API = "fsdp1-api"  # ns.FullyShardedDataParallel, ns.StateDictType, the co
 # the root's ``clip_grad_norm_(max_norm, norm_type)`` and ``FullyShardedDataParallel.
 # summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)``.
 FSDP1_RUNTIME = "fsdp1-runtime"
+# Upstream knobs beyond the adapter interface (checks call them directly; see PROMISES):
+HSDP_ALL_REDUCE = "hsdp-all-reduce-knob"  # FSDPModule.set_requires_all_reduce on an HSDP mesh
+DCP_HELPERS = "dcp-helpers"  # torch.distributed.checkpoint.state_dict get/set_* on the model
+FSDP1_OPTIM_STATE_DICT = "fsdp1-optim-state-dict"  # FSDP.optim_state_dict / _to_load
+FSDP1_HYBRID_SHARD = "fsdp1-hybrid-shard"  # HYBRID_SHARD / _HYBRID_SHARD_ZERO2
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -116,6 +121,20 @@ PROMISES = {
     "them directly",
     FSDP1_RUNTIME: "the FSDP1 root's `clip_grad_norm_(max_norm, norm_type)` and "
     "`FullyShardedDataParallel.summon_full_params(...)` with upstream's options",
+    HSDP_ALL_REDUCE: "`FSDPModule.set_requires_all_reduce(bool, recurse=)` on an HSDP module: "
+    "off, a backward reduce-scatters but keeps the partial result inside FSDP (no sharded "
+    "`.grad`); the next backward with it on all-reduces that sum too",
+    DCP_HELPERS: "the sharded model (and an optimizer over its parameters) works with "
+    "`torch.distributed.checkpoint.state_dict`'s `get_/set_model_state_dict`, "
+    "`get_/set_optimizer_state_dict` and `get_/set_state_dict` under every `StateDictOptions` "
+    "field (`full_state_dict`, `cpu_offload`, `broadcast_from_rank0`, `strict`): checks call them "
+    "directly",
+    FSDP1_OPTIM_STATE_DICT: "`FullyShardedDataParallel.optim_state_dict(model, optim)` and "
+    "`optim_state_dict_to_load(model, optim, osd)` under `state_dict_type` with "
+    "`FullOptimStateDictConfig(rank0_only=)` / `ShardedOptimStateDictConfig`: FQN-keyed state "
+    "equal to the unsharded optimizer's",
+    FSDP1_HYBRID_SHARD: "plan kwargs `sharding_strategy=HYBRID_SHARD` / `_HYBRID_SHARD_ZERO2` "
+    "with `device_mesh=<2-D (replicate, shard) mesh>`: shard within a row, replicate across rows",
 }
 
 

@@ -43,6 +43,8 @@ class FlatParamAdapter(NamespaceImplementation):
             base.TRAINING,
             base.FSDP1_API,
             base.FSDP1_RUNTIME,
+            base.FSDP1_OPTIM_STATE_DICT,
+            base.FSDP1_HYBRID_SHARD,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -33,6 +33,8 @@ class FullyShardAdapter(NamespaceImplementation):
             base.AUTO_WRAP,
             base.TRAINING,
             base.FSDP2_API,
+            base.HSDP_ALL_REDUCE,
+            base.DCP_HELPERS,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -38,15 +38,23 @@ def _torch_fsdp1():
 
 
 def _reference_fsdp2():
+    from conformance.adapters import base
     from conformance.adapters.fully_shard import FullyShardAdapter
 
-    return FullyShardAdapter("reference", name="reference", version=_reference_version())
+    impl = FullyShardAdapter("reference", name="reference", version=_reference_version())
+    # reference/_fully_shard leaves HSDP accumulation out (its package docstring; docs/adapters.md)
+    impl.capabilities = impl.capabilities - {base.HSDP_ALL_REDUCE}
+    return impl
 
 
 def _reference_fsdp1():
+    from conformance.adapters import base
     from conformance.adapters.flat_param import FlatParamAdapter
 
-    return FlatParamAdapter("reference", name="reference-fsdp1", version=_reference_version())
+    impl = FlatParamAdapter("reference", name="reference-fsdp1", version=_reference_version())
+    # reference/_fsdp1 has no optimizer state dicts and no HYBRID_SHARD (docs/adapters.md)
+    impl.capabilities = impl.capabilities - {base.FSDP1_OPTIM_STATE_DICT, base.FSDP1_HYBRID_SHARD}
+    return impl
 
 
 def _reference_version() -> str:

@@ -665,3 +665,124 @@ fault(
     f"{REF}:FSDPModule.set_reshard_after_backward",
     "set_reshard_after_backward(False) is ignored: parameters are resharded after backward",
 )(replace_with(lambda self, reshard_after_backward, *, recurse=True: None))
+
+
+# ------------------------------------------------------ HSDP accumulation knobs (P26, issue 24)
+def _drop_partial_reduce_output(original):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def foreach_reduce(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("all_reduce_grads"):
+            bound.arguments["partial_reduce_output"] = None  # the bug: what was held back is lost
+        return original(*bound.args, **bound.kwargs)
+
+    return foreach_reduce
+
+
+fault(
+    "t2-hsdp-held-back-dropped",
+    "torch-fsdp2",
+    "P26",
+    "training",
+    f"{TORCH}:foreach_reduce",
+    "upstream HSDP: the backward with the all-reduce back on drops the reductions held back by "
+    "set_requires_all_reduce(False) (the gradient owes only its own micro-batch)",
+    world_sizes=(4,),
+)(_drop_partial_reduce_output)
+
+
+def _always_all_reduce(self, requires_all_reduce, *, recurse=True):
+    return None  # the bug: the knob is ignored, every backward all-reduces and writes .grad
+
+
+fault(
+    "t2-hsdp-all-reduce-knob-ignored",
+    "torch-fsdp2",
+    "P26",
+    "training",
+    "torch.distributed.fsdp:FSDPModule.set_requires_all_reduce",
+    "upstream HSDP: set_requires_all_reduce(False) is ignored (each backward all-reduces)",
+    world_sizes=(2,),
+)(replace_with(_always_all_reduce))
+
+
+# ------------------------------------ torch.distributed.checkpoint.state_dict options (P27-P29)
+DSD = "torch.distributed.checkpoint"
+
+
+def _others_keep_their_values(original):
+    import sys
+
+    def load(model, state_dict, info):
+        module = sys.modules["torch.distributed.checkpoint.state_dict"]
+        broadcast = module._broadcast_state_dict
+
+        def received_but_dropped(full, local, *args, **kwargs):
+            import torch.distributed as dist
+
+            # the bug: ranks other than 0 take part in the broadcast but keep their own values
+            target = local if dist.get_rank() == 0 else {k: v.clone() for k, v in local.items()}
+            return broadcast(full, target, *args, **kwargs)
+
+        module._broadcast_state_dict = received_but_dropped
+        try:
+            return original(model, state_dict, info)
+        finally:
+            module._broadcast_state_dict = broadcast
+
+    return load
+
+
+fault(
+    "t2-dsd-broadcast-dropped",
+    "torch-fsdp2",
+    "P28",
+    "fsdp2_state_dict",
+    f"{DSD}:_load_model_state_dict",
+    "upstream DSD: with broadcast_from_rank0 the ranks other than 0 receive rank 0's tensors but "
+    "keep their own values",
+)(_others_keep_their_values)
+
+
+def _strict_always(info, *args, **kwargs):
+    info.strict = True  # the bug: StateDictOptions(strict=False) is ignored
+    return info
+
+
+fault(
+    "t2-dsd-strict-ignored",
+    "torch-fsdp2",
+    "P28",
+    "fsdp2_state_dict",
+    f"{DSD}:_verify_options",
+    "upstream DSD: StateDictOptions(strict=False) is ignored (a dict with a missing or extra key "
+    "is refused)",
+)(wrap(after=_strict_always))
+
+
+def _optim_full_left_local(result, model, optimizers, info):
+    import torch.distributed as dist
+
+    if info.full_state_dict:  # the bug: each rank's "full" optimizer state is its own chunk
+        for state in result.get("state", {}).values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    rows = torch.chunk(value, dist.get_world_size())
+                    state[key] = (
+                        rows[dist.get_rank()].clone() if dist.get_rank() < len(rows) else value[:0]
+                    )
+    return result
+
+
+fault(
+    "t2-dsd-optim-full-not-gathered",
+    "torch-fsdp2",
+    "P29",
+    "fsdp2_state_dict",
+    f"{DSD}:_get_optim_state_dict",
+    "upstream DSD: get_optimizer_state_dict(full_state_dict=True) leaves each rank's chunk of "
+    "exp_avg / exp_avg_sq instead of the full tensors",
+)(wrap(after=_optim_full_left_local))
