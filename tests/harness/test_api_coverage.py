@@ -5,6 +5,7 @@ entries of the torch it imports; the trace records what a check calls and passes
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -157,6 +158,35 @@ def test_a_partial_trace_replaces_what_its_checks_recorded():
         "values": ["1"],
     }
     assert (merged["key"], merged["merged"]) == ("k", ["two"])
+
+
+def test_wide_selection_picks_checks_that_need_more_ranks():
+    """At world size 4 the trace reruns the checks no case at 1-2 ranks covered (written for 4
+    ranks) and those that need a 2-D mesh; a covered check that needs neither is left out."""
+    base = {
+        "cases": {
+            "n": {"id": "states::set_reshard_after_forward_at_run_time[ws2-child-false]",
+                  "outcome": "pass"},
+            "h": {"id": "states::hsdp_states[ws4-true]", "outcome": "pass"},
+        }
+    }  # fmt: skip
+    targets = trace.wide_selection(base, 4)
+    assert "conformance/checks/fully_shard/states.py::hsdp_states" in targets, targets
+    assert not [t for t in targets if t.endswith("::set_reshard_after_forward_at_run_time")]
+    assert all("::" in t and t.split("::")[0].endswith(".py") for t in targets), targets
+
+
+def test_cli_prints_the_map_and_refuses_write_without_trace(capsys):
+    assert report.main(["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["summary"]["entries"] == len(doc["entries"]) > 100, doc["summary"]
+    assert {r["status"] for r in doc["entries"]} <= {"covered", "out-of-scope", "uncovered"}
+    assert report.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# API coverage") and "| `fsdp.fully_shard` | name |" in out, out[:500]
+    with pytest.raises(SystemExit):
+        report.main(["--write"])
+    assert "add --trace" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
