@@ -125,12 +125,14 @@ _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl", "inner")
 
 
 def _short(value) -> str:
+    """A short label of a value passed (never the repr of a tensor or a module)."""
+    import torch
+
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return repr(value)[:40]
-    text = repr(value) if type(value).__module__ == "torch" else type(value).__name__
-    return text[:40]
+    return type(value).__name__[:40]
 
 
 def _same(value, default) -> bool:
@@ -233,6 +235,7 @@ class _Recorder:
 
 
 _COUNT = [0]
+ERRORS = "!errors"  # the recorder's own failures, by entry (never an entry; see run_trace)
 
 
 @contextlib.contextmanager
@@ -251,8 +254,12 @@ def _record_api():
     def profile(frame, event, arg):
         if event == "call":
             found = targets.get(id(frame.f_code))
-            if found is not None and watch.external(frame):
-                recorder.call(frame, found)
+            if found is not None:
+                try:
+                    if watch.external(frame):
+                        recorder.call(frame, found)
+                except Exception as exc:  # noqa: BLE001 - never break the check being traced
+                    recorder.note(ERRORS, f"{found[0].id}: {type(exc).__name__}: {exc}"[:120])
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -363,6 +370,9 @@ def run_trace(
         report = json.loads((reports / "conformance.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    errors = sorted({v for e in recorded.values() for v in e.get(ERRORS, [])})
+    if errors and not quiet:
+        print(f"api-coverage: the recorder failed on {errors}", file=sys.stderr, flush=True)
     cases = {}
     for case in report["cases"]:
         cases[case["nodeid"]] = {
@@ -370,9 +380,15 @@ def run_trace(
             "check": case["check"],
             "impl": case["impl"],
             "outcome": case["outcome"],
-            "entries": recorded.get(case["nodeid"], {}),
+            "entries": {e: v for e, v in recorded.get(case["nodeid"], {}).items() if e != ERRORS},
         }
-    return {"cases": cases, "wall_s": wall, "ws": list(ws), "returncode": proc.returncode}
+    return {
+        "cases": cases,
+        "wall_s": wall,
+        "ws": list(ws),
+        "returncode": proc.returncode,
+        "recorder_errors": errors,
+    }
 
 
 def wide_selection(base: dict, ws: int) -> list[str]:

@@ -205,6 +205,7 @@ def _case(data: dict, check: str, impl: str) -> dict:
 
 
 def test_trace_records_calls_keywords_members_and_fields(tiny_trace):
+    assert tiny_trace["recorder_errors"] == [], tiny_trace["recorder_errors"]
     fsdp2 = _case(tiny_trace, "fsdp2_calls", "torch-fsdp2")
     assert fsdp2["outcome"] == "pass", fsdp2
     got = fsdp2["entries"]
