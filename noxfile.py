@@ -193,7 +193,7 @@ def report(session: nox.Session) -> None:
     runs = session.posargs or (
         sorted(str(p) for p in Path("reports/versions").glob("*/conformance.json")) or ["reports"]
     )
-    session.run("python", "-m", "conformance", "report", *runs)
+    session.run("python", "-m", "conformance.html", *runs)  # = python -m conformance report
 
 
 LINTED = ["reference", "conformance", "perf", "tests", "tools", "noxfile.py"]

@@ -19,7 +19,8 @@ out. The model:
   duration, detail index]``; only failures, expected failures and skips carry a detail (message,
   ranks, repro, the expectation entry), so that 10,000 passing cases cost a few hundred KB;
 * ``diffs``: for each pair of consecutive runs that share an implementation, conformance.diff's
-  comparison of their cases of the shared implementations.
+  comparison of their cases of the shared implementations (or of their one implementation each:
+  upstream against a fork).
 
 The template (templates/scoreboard.html.j2, Jinja2) holds the markup, style and script; the blob is
 escaped so that no ``</script>`` inside a message can end it.
@@ -156,19 +157,30 @@ def _only(doc: dict, impls: set[str]) -> dict:
 
 def _diffs(docs: list[dict], labels: list[str]) -> list[dict]:
     """conformance.diff's comparison of each run with the next, over the implementations both
-    ran (two runs of different implementations have nothing to compare)."""
+    ran; two runs of one implementation each, under different names (upstream and a fork), are
+    compared as one implementation, their cases matched by id. Other runs that share no
+    implementation have nothing to compare."""
     out = []
     for i in range(len(docs) - 1):
         old, new = docs[i], docs[i + 1]
-        shared = {c["impl"] for c in old["cases"]} & {c["impl"] for c in new["cases"]}
-        if not shared:
+        before, after = {c["impl"] for c in old["cases"]}, {c["impl"] for c in new["cases"]}
+        shared = before & after
+        title = f"{labels[i]} → {labels[i + 1]}"
+        if shared:
+            old, new = _only(old, shared), _only(new, shared)
+        elif len(before) == len(after) == 1:
+            (was,), (now,) = before, after
+            new = {**new, "cases": [{**c, "impl": was} for c in new["cases"]]}
+            shared = {f"{was} → {now}"}
+            title = f"{labels[i]} {was} → {labels[i + 1]} {now}"
+        else:
             continue
-        result = diff_mod.compare(_only(old, shared), _only(new, shared))
+        result = diff_mod.compare(old, new)
         out.append(
             {
                 "old": i,
                 "new": i + 1,
-                "title": f"{labels[i]} → {labels[i + 1]}",
+                "title": title,
                 "impls": sorted(shared),
                 "versions": [list(v) for v in result.versions],
                 "unchanged": result.unchanged,

@@ -226,9 +226,23 @@ def test_diff_of_two_runs_lists_the_changed_cases():
 
 
 def test_runs_without_a_shared_implementation_have_no_diff():
-    a = synthetic_run(40, impls=("impl-a",))
+    a = synthetic_run(40, impls=("impl-a", "impl-b"))
     b = synthetic_run(40, impls=("impl-c",))
     assert html.build_model([a, b])["diffs"] == []
+
+
+def test_one_implementation_against_another_is_matched_by_case_id():
+    """Upstream against a fork: two runs of one implementation each."""
+    upstream = synthetic_run(60, impls=("impl-a",), seed=4)
+    passing = [c["id"] for c in upstream["cases"] if c["outcome"] == "pass"]
+    fork = synthetic_run(60, impls=("impl-a",), seed=4, flip={("impl-a", passing[0])})
+    for case in fork["cases"]:
+        case["impl"] = "my-fork"
+    (d,) = html.build_model([upstream, fork], ["upstream", "fork"])["diffs"]
+    assert d["title"] == "upstream impl-a → fork my-fork"
+    sections = {s["key"]: s["changes"] for s in d["sections"]}
+    assert [c["id"] for c in sections["new_failures"]] == [passing[0]]
+    assert not sections["appeared"] and not sections["vanished"]
 
 
 def test_page_is_self_contained_and_its_blob_is_the_cases():
