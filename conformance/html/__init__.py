@@ -166,16 +166,19 @@ def _diffs(docs: list[dict], labels: list[str]) -> list[dict]:
         before, after = {c["impl"] for c in old["cases"]}, {c["impl"] for c in new["cases"]}
         shared = before & after
         title = f"{labels[i]} → {labels[i + 1]}"
+        renamed = False
         if shared:
             old, new = _only(old, shared), _only(new, shared)
         elif len(before) == len(after) == 1:
             (was,), (now,) = before, after
             new = {**new, "cases": [{**c, "impl": was} for c in new["cases"]]}
-            shared = {f"{was} → {now}"}
+            shared, renamed = {f"{was} → {now}"}, True
             title = f"{labels[i]} {was} → {labels[i + 1]} {now}"
         else:
             continue
         result = diff_mod.compare(old, new)
+        if renamed:  # each name is absent from one of the two runs: not a version change
+            result.versions = [v for v in result.versions if "(absent)" not in v[1:]]
         out.append(
             {
                 "old": i,

@@ -31,6 +31,13 @@
     return M.runs > 1 ? c.impl + " (" + c.label + ")" : c.impl;
   };
 
+  // a failure's cause: its last line that names an error or an assertion (as conformance.diff)
+  const firstLine = (text) => {
+    const lines = (text || "").split("\n").map((s) => s.trim()).filter(Boolean);
+    const errors = lines.filter((s) => /Error|assert/i.test(s));
+    return (errors.length ? errors[errors.length - 1] : lines[0] || "").slice(0, 240);
+  };
+
   function copyButton(text) {
     const button = el("button", { type: "button", class: "copy", title: "copy the repro line" });
     button.textContent = "copy";
@@ -72,12 +79,21 @@
       }
       block.append(entry);
     }
-    if (detail.message && outcome !== "xfail") block.append(el("pre", { class: "message", text: detail.message }));
-    for (const r of detail.ranks || []) {
+    const ranks = detail.ranks || [];
+    if (detail.message && outcome !== "xfail") {
+      // the message repeats each rank's report: its cause first, the whole of it folded
+      if (outcome === "fail") block.append(el("div", { class: "cause", text: firstLine(detail.message) }));
+      const whole = el("details", { class: "message" },
+        el("summary", { text: "message" }), el("pre", { text: detail.message }));
+      whole.open = outcome !== "fail" || !ranks.length;
+      block.append(whole);
+    }
+    let opened = false;
+    for (const r of ranks) {
       const box = el("details", { class: "rank", "data-rank": r.rank },
         el("summary", { text: "rank " + r.rank + ": " + r.status + " (" + r.duration_s + " s)" }),
         el("pre", { text: r.detail || "" }));
-      if (outcome === "fail") box.open = true;
+      if (outcome === "fail" && !opened && r.status !== "ok") box.open = opened = true;
       block.append(box);
     }
     if (detail.repro) {
@@ -149,11 +165,6 @@
   const target = document.getElementById("failure-list");
   if (!failing.length) target.append(el("p", { text: "No case failed." }));
   const list = el("ol", {});
-  const firstLine = (text) => {
-    const lines = (text || "").split("\n").map((s) => s.trim()).filter(Boolean);
-    const errors = lines.filter((s) => /Error|assert/i.test(s));
-    return (errors.length ? errors[errors.length - 1] : lines[0] || "").slice(0, 240);
-  };
   const renderFailures = (from, to) => {
     for (const i of failing.slice(from, to)) {
       const [col, id, ws, , , d] = M.cases[i];
