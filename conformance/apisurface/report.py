@@ -260,16 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--only selects what --trace measures: add --trace")
     if args.trace and args.only:
         partial = trace.run_trace(ws, extra=["-k", args.only])
-        snapshot = merge_snapshot(load_snapshot(), partial, args.only)
+        snapshot = merge_snapshot(load_snapshot(SNAPSHOT), partial, args.only)
         print(f"api-coverage: traced {len(partial['cases'])} cases in {partial['wall_s']} s",
               file=sys.stderr)  # fmt: skip
     elif args.trace:
         snapshot = snapshot_from_trace(trace.cached_trace(ws, refresh=args.fresh))
-        if args.write:
-            SNAPSHOT.write_text(json.dumps(snapshot, indent=1) + "\n")
-            print(f"api-coverage: wrote {SNAPSHOT.relative_to(trace.ROOT)}", file=sys.stderr)
     else:
-        snapshot = load_snapshot()
+        snapshot = load_snapshot(SNAPSHOT)
+    if args.write:
+        SNAPSHOT.write_text(json.dumps(snapshot, indent=1) + "\n")
+        print(f"api-coverage: wrote {SNAPSHOT}", file=sys.stderr)
     try:
         out_of_scope = load_out_of_scope()
     except ValueError as exc:

@@ -189,6 +189,28 @@ def test_cli_prints_the_map_and_refuses_write_without_trace(capsys):
     assert "add --trace" in capsys.readouterr().err
 
 
+def test_cli_only_write_merges_into_the_snapshot(tmp_path, monkeypatch, capsys):
+    """``--trace --only EXPR --write`` runs the partial trace with ``-k EXPR`` and writes the
+    merged snapshot."""
+    path = tmp_path / "coverage.json"
+    path.write_text(json.dumps({"key": "k", "entries": {}}))
+    monkeypatch.setattr(report, "SNAPSHOT", path)
+    seen = []
+    case = {"id": "x::new[ws1]", "check": "new", "impl": "torch-fsdp2", "outcome": "pass"}
+
+    def fake_run_trace(ws, extra=None, **kwargs):
+        seen.append(extra)
+        return {"cases": {"n": case | {"entries": {"fsdp.fully_shard": []}}}, "wall_s": 1.0}
+
+    monkeypatch.setattr(trace, "run_trace", fake_run_trace)
+    assert report.main(["--trace", "--only", "new", "--write", "--json"]) == 0
+    capsys.readouterr()
+    assert seen == [["-k", "new"]]
+    written = json.loads(path.read_text())
+    assert written["entries"]["fsdp.fully_shard"]["checks"] == ["x::new"], written
+    assert written["merged"] == ["new"]
+
+
 @pytest.fixture(scope="module")
 def tiny_trace():
     return trace.run_trace(
