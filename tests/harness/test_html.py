@@ -323,3 +323,12 @@ def test_case_record_holds_capability_and_entry(outcome):
     else:
         assert record["expectation"] == {"reason": "why (pytorch#9)", "source": "e.txt:3",
                                          "signature": "raises=RuntimeError"}  # fmt: skip
+
+
+def test_an_interrupted_run_is_marked_partial():
+    doc = synthetic_run(40)
+    doc.update(interrupted=True, signal="SIGINT", cases_run=40, cases_not_run=7)
+    text = html.page([doc])
+    assert "INTERRUPTED by SIGINT: 40 case(s) ran, 7 did not run" in text
+    assert "Its counts are partial" in text
+    assert "INTERRUPTED" not in html.page([synthetic_run(40)])
