@@ -110,6 +110,7 @@ class InProcessGroup:
         if self.rank == 0:
             self._store.set("reporter", pickle.dumps((self._node, os.getpid())))
         self._seq = 0
+        self._waited = ""  # how long the last check's results were waited for, and why
         self.lost: list[int] = []  # ranks lost in the last check; the run stops (see the Note)
         self.lost_text = ""  # "lost ranks 2, 3 (node 1, host-b)" for the reports
         self.spawn_count = 0
@@ -123,7 +124,12 @@ class InProcessGroup:
 
     def run(self, task: Task) -> list[RankResult]:
         self._seq += 1
-        deadline = time.monotonic() + task.timeout + self.grace + LOSS_MARGIN
+        wait = task.timeout + self.grace + LOSS_MARGIN
+        deadline = time.monotonic() + wait
+        budget = task.timeout_text or f"{task.timeout:g} s"
+        self._waited = (
+            f"{wait:g} s: its budget {budget} + --grace {self.grace:g} s + {LOSS_MARGIN:g} s"
+        )
         faulthandler.dump_traceback_later(
             task.timeout + self.grace, exit=True, file=self.terminal_fd
         )
@@ -134,7 +140,7 @@ class InProcessGroup:
             faulthandler.cancel_dump_traceback_later()
         results = self._exchange(mine, deadline)
         if self.lost:
-            self._say_lost(task, deadline)
+            self._say_lost(task)
             return results
         # Every rank is past the check now: release what it created (see
         # [Note: per-check cleanup] in conformance.runner.resources).
@@ -172,13 +178,12 @@ class InProcessGroup:
     def _lost_detail(self, rank: int) -> str:
         return (
             f"lost: rank {rank} ({self._where(rank)}) posted no result by the latest moment a "
-            f"live rank can (the check's budget + --grace {self.grace:g} s + {LOSS_MARGIN:g} s): "
-            "its process ended (killed, out of memory, or by its watchdog after a hang: its "
-            "stacks are on its own stderr) or its node went away. The run stops here; see "
-            "docs/multi-node.md"
+            f"live rank can ({self._waited} after the check started): its process ended "
+            "(killed, out of memory, or by its watchdog after a hang: its stacks are on its own "
+            "stderr) or its node went away. The run stops here; see docs/multi-node.md"
         )
 
-    def _say_lost(self, task: Task, deadline: float) -> None:
+    def _say_lost(self, task: Task) -> None:
         nodes = sorted({self._where(r) for r in self.lost})
         ranks = ", ".join(map(str, self.lost))
         self.lost_text = (
@@ -192,8 +197,7 @@ class InProcessGroup:
         os.write(
             self.terminal_fd,
             f"fsdp conformance: rank {self.rank}: {self.lost_text} during {task.fn} (no result "
-            f"{task.timeout + self.grace + LOSS_MARGIN:g} s after the check started); the run "
-            f"stops, {rest}\n".encode(),
+            f"{self._waited} after the check started); the run stops, {rest}\n".encode(),
         )
 
     def _end_barrier(self) -> None:

@@ -79,9 +79,12 @@ class Agents:
                 f"127.0.0.1:{self.port}",
                 "--rdzv-id",
                 f"test-{self.tag[:8]}",
-                # node 0 hosts the rendezvous store (and, started first, gets ranks 0 and 1)
+                # node 0 hosts the rendezvous store and, its address sorting first, gets ranks 0
+                # and 1 (equal addresses would be ordered by the agents' pids, which wrap around)
                 "--rdzv-conf",
                 f"is_host={int(node == 0)}",
+                "--local-addr",
+                "127.0.0.1" if node == 0 else "localhost",
                 "-m",
                 "conformance",
                 *args,
