@@ -48,7 +48,7 @@ class CheckContext:
         """Raise :class:`NotSupported` unless the implementation declares every capability."""
         missing = [c for c in capabilities if self.impl is None or c not in self.impl.capabilities]
         if missing:
-            raise NotSupported(", ".join(missing))
+            raise NotSupported.undeclared(*missing)
 
     def seed(self, value: int = 0) -> None:
         """Seed every rank identically so models built here start equal on all ranks."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conformance import devices, expectations, options, reporting, versions
+from conformance.adapters import base
 from conformance.adapters.registry import (
     ENV_VAR,
     ImplementationLoadError,
@@ -326,6 +327,13 @@ def pytest_cmdline_main(config):
     return None
 
 
+def pytest_addhooks(pluginmanager):
+    """A conformance run times nothing: pytest-benchmark's plugin, loaded after this one, would
+    create its storage (``./.benchmarks``) in the current directory (perf/ runs without this
+    plugin). Hypothesis' storage goes under the cache directory (``conformance.fuzz.item``)."""
+    pluginmanager.set_blocked("benchmark")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     if _SESSION_KEY not in config.stash:  # --help / --version
@@ -470,7 +478,7 @@ class CheckItem(pytest.Item):
         impl = _session(self.config).impls[self.meta.impl_spec]
         missing = self._missing_capabilities()
         if missing:
-            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+            pytest.skip(base.not_supported_reason(impl.name, base.UNDECLARED + ", ".join(missing)))
         return impl
 
     def setup(self):
@@ -499,7 +507,7 @@ class CheckItem(pytest.Item):
             raise _failure(self.expectation, results)
         unsupported = [r for r in results if r.status == protocol.NOT_SUPPORTED]
         if unsupported:
-            pytest.skip(f"NotSupported: {impl.name} does not support {unsupported[0].detail}")
+            pytest.skip(base.not_supported_reason(impl.name, unsupported[0].detail))
         skipped = [r for r in results if r.status == protocol.SKIPPED]
         if skipped:
             pytest.skip(f"skipped: {skipped[0].detail}")

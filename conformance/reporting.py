@@ -13,6 +13,7 @@ skip           skipped for another reason (e.g. pytest's own skip)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -94,8 +95,23 @@ def rerun_options(opt, validated, specs=()) -> Rerun:
     env = tuple(
         f"{var}={shlex.quote(os.environ[var])}" for var in NOX_ENV if nox and os.environ.get(var)
     )
-    launcher = "nox -s conformance --" if nox else "python -m conformance"
+    launcher = "nox -s conformance --" if nox else f"{python_command()} -m conformance"
     return Rerun(env, tuple(args), launcher, import_paths(specs))
+
+
+def python_command() -> str:
+    """How a rerun line names this run's interpreter: ``python`` when that is the first
+    ``python`` on PATH, else the interpreter's path (``sys.executable``), so that the line pasted
+    into a shell whose ``python`` lacks torch still runs (a venv's python is not the interpreter
+    its symlink points to: only the same path, or the same file outside a venv, counts)."""
+    first = shutil.which("python")
+    if first and os.path.abspath(first) == os.path.abspath(sys.executable):
+        return "python"
+    if first and sys.prefix == sys.base_prefix:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(first, sys.executable):
+                return "python"
+    return shlex.quote(sys.executable) if sys.executable else "python"
 
 
 def import_paths(specs) -> tuple[str, ...]:
@@ -238,7 +254,11 @@ def case_record(report, meta, outcome: str) -> dict:
 
 # the two NotSupported skips of conformance.plugin: a capability the check declares it needs, or
 # what the implementation raised NotSupported for while the check ran
-_GATE = re.compile(r"NotSupported: .*? does not (?:declare|support) (?P<gate>.+)", re.S)
+# "NotSupported: <impl> does not declare <capabilities>" or "NotSupported: <impl>: <the adapter's
+# own text>" (conformance.adapters.base.not_supported_reason); "does not support" in older reports
+_GATE = re.compile(
+    r"NotSupported: (?:\S+? does not (?:declare|support) |[^\s:]+: )(?P<gate>.+)", re.S
+)
 # an expected failure's message: "expected failure: <reason> [<file:line>; <signature>]"
 _ENTRY = re.compile(
     r"(?:expected failure: )?(?P<reason>.*) \[(?P<source>[^;\[\]]+:\d+); (?P<signature>.*)\]\s*$",

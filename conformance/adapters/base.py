@@ -30,6 +30,7 @@ fuzz drops and steers, on top of its own. The built-in upstream adapters are the
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -138,8 +139,45 @@ PROMISES = {
 }
 
 
+UNDECLARED = "does not declare "
+
+
 class NotSupported(Exception):
-    """Raised (by a check or an adapter) when a needed capability is not declared/implemented."""
+    """Raised (by a check or an adapter) when a needed capability is not declared/implemented.
+
+    An adapter raises it with its own text (``NotSupported("option(s) ['x']")``), which the report
+    shows as it is; the harness raises :meth:`undeclared` for capabilities the implementation does
+    not declare. :func:`not_supported_reason` is the one wording of both."""
+
+    @classmethod
+    def undeclared(cls, *capabilities: str, any_of: bool = False) -> NotSupported:
+        """The implementation declares none of ``capabilities`` (``any_of``: one would do)."""
+        names = sorted(capabilities)
+        return cls(UNDECLARED + (" or ".join(names) if any_of else ", ".join(names)))
+
+
+def not_supported_reason(impl_name: str, detail: str) -> str:
+    """How a not-supported case reads in every report: ``NotSupported: my-fork does not declare
+    auto-wrap`` (a capability the harness found undeclared) or ``NotSupported: my-fork: <the
+    adapter's own NotSupported text>`` (never reworded)."""
+    if detail.startswith(UNDECLARED):
+        return f"NotSupported: {impl_name} {detail}"
+    return f"NotSupported: {impl_name}: {detail}"
+
+
+class NamespaceUndeclared(NotSupported, AttributeError):
+    """Reading ``ns`` from an adapter that has none: not supported for a check, and an
+    AttributeError for ``getattr(impl, "ns", None)``."""
+
+
+class _NoNamespace:
+    """The class-level ``ns`` of :class:`Implementation`: a non-data descriptor, so an adapter's
+    own ``self.ns = module`` wins."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        raise NamespaceUndeclared.undeclared(FSDP2_API, FSDP1_API, any_of=True)
 
 
 @dataclass
@@ -172,6 +210,17 @@ class Implementation:
     inherits: ClassVar[str | None] = None
     # Device types this implementation runs on (``{"cuda"}``); None: any. Checked at start.
     devices: ClassVar[frozenset[str] | None] = None
+
+    # ``ns``: upstream's API, for adapters that declare fsdp2-api / fsdp1-api (they set it);
+    # read from any other adapter, it makes the case not supported (never an AttributeError).
+    ns = _NoNamespace()
+
+    def __init_subclass__(cls, **kwargs):
+        """Every subclass's ``shard`` runs behind :func:`guard_shard`: an option or plan whose
+        capability the implementation does not declare never reaches it."""
+        super().__init_subclass__(**kwargs)
+        if "shard" in cls.__dict__:
+            cls.shard = guard_shard(cls.__dict__["shard"])
 
     @property
     def version(self) -> str:
@@ -333,6 +382,71 @@ def plan_entries(plan) -> list[tuple[str, dict]]:
         (e.module_fqn, dict(e.kwargs)) if hasattr(e, "module_fqn") else (e[0], dict(e[1]))
         for e in getattr(plan, "entries", plan)
     ]  # WrapPlanEntry objects or (fqn, kwargs)
+
+
+# ------------------------------------------------------------------- the shard() contract
+# The capability each ``shard`` option (and each per-unit kwarg of a plan entry) needs: a check
+# passes it only when the implementation declares that capability (docs/adapters.md, the table
+# under "shard"). ``mesh`` needs ``hsdp`` only when it is 2-D; a plan needs ``auto-wrap`` as soon as
+# it holds a unit other than the root alone. A value of None counts as not passed.
+OPTION_CAPABILITIES = {
+    "reshard_after_forward": RESHARD_AFTER_FORWARD,
+    "mixed_precision": MIXED_PRECISION,
+    "cpu_offload": CPU_OFFLOAD,
+    "shard_placement_fn": SHARD_PLACEMENT_FN,
+    "use_orig_params": FLAT_PARAM,
+    "ignored_modules": FLAT_PARAM,
+}
+PLAN_KWARG_CAPABILITIES = {
+    "reshard_after_forward": RESHARD_AFTER_FORWARD,
+    "mixed_precision": MIXED_PRECISION,
+    "mp_policy": MIXED_PRECISION,
+    "offload_policy": CPU_OFFLOAD,
+    "cpu_offload": CPU_OFFLOAD,
+    "shard_placement_fn": SHARD_PLACEMENT_FN,
+    "use_orig_params": FLAT_PARAM,
+    "ignored_modules": FLAT_PARAM,
+}
+
+
+def shard_requirements(plan, options: dict) -> dict[str, str]:
+    """What a ``shard(plan=plan, **options)`` call needs: ``{option or plan part: capability}``."""
+    needs = {k: c for k, c in OPTION_CAPABILITIES.items() if options.get(k) is not None}
+    mesh = options.get("mesh")
+    if mesh is not None and getattr(mesh, "ndim", 1) > 1:
+        needs["mesh (2-D)"] = HSDP
+    if plan is not None:
+        entries = plan_entries(plan)
+        if [fqn for fqn, _ in entries] != [""]:
+            needs["plan"] = AUTO_WRAP
+        for fqn, kwargs in entries:
+            for k, v in kwargs.items():
+                if v is not None and k in PLAN_KWARG_CAPABILITIES:
+                    needs[f"plan[{fqn!r}].{k}"] = PLAN_KWARG_CAPABILITIES[k]
+    return needs
+
+
+def undeclared_for_shard(capabilities, plan, options: dict) -> dict[str, str]:
+    """The part of :func:`shard_requirements` that ``capabilities`` do not declare."""
+    return {k: c for k, c in shard_requirements(plan, options).items() if c not in capabilities}
+
+
+def guard_shard(fn):
+    """``fn`` (an adapter's ``shard``) behind the capability check: raise
+    :meth:`NotSupported.undeclared` before calling it when the plan or an option needs a
+    capability the implementation does not declare (see :data:`OPTION_CAPABILITIES`)."""
+    if getattr(fn, "guarded", False):
+        return fn
+
+    @functools.wraps(fn)
+    def shard(self, module, ctx, *, plan=None, **options):
+        missing = undeclared_for_shard(self.capabilities, plan, options)
+        if missing:
+            raise NotSupported.undeclared(*set(missing.values()))
+        return fn(self, module, ctx, plan=plan, **options)
+
+    shard.guarded = True
+    return shard
 
 
 TORCH_WRAPPERS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")

@@ -7,12 +7,14 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis.errors import Flaky, Unsatisfiable
 
 from conformance import expectations
+from conformance.adapters.base import NotSupported, not_supported_reason
 from conformance.fuzz import dropped, repro
 from conformance.fuzz.strategies import examples
 from conformance.plugin import CheckFailure, CheckItem, ExpectedFailure, _format_failure, _session
@@ -23,6 +25,27 @@ CI_EXAMPLES = 8  # examples per fuzz case without --fuzz-examples (derandomized:
 # after this long (CI budget / --fuzz-examples), shrinking settles on the smallest failing example
 SHRINK_SECONDS = {"ci": 90.0, "deep": 300.0}
 SHRINK_ENV = "FSDP_CONFORMANCE_FUZZ_SHRINK_SECONDS"  # overrides both (0: report the first failure)
+
+
+CACHE_ENV = "FSDP_CONFORMANCE_CACHE_DIR"  # hypothesis' files; default <reports-dir>/.cache
+
+
+def cache_dir(reports_dir) -> Path | None:
+    """Where a run's caches go (hypothesis' storage): ``$FSDP_CONFORMANCE_CACHE_DIR``, else
+    ``<reports-dir>/.cache``; never the current directory (None: no reports, nothing set)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return None if reports_dir is None else Path(reports_dir) / ".cache"
+
+
+def use_cache_dir(reports_dir) -> None:
+    """Point hypothesis' storage (its ``constants`` cache; examples are never saved: no database)
+    at :func:`cache_dir` before a fuzz case draws anything."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    directory = cache_dir(reports_dir)
+    if directory is not None:
+        set_hypothesis_home_dir(directory / "hypothesis")
 
 
 def shrink_seconds(deep: bool) -> float:
@@ -53,7 +76,8 @@ class FuzzItem(CheckItem):
         impl = self._supported_implementation()
         missing = sorted(meta.spec.fn.fuzz_case_requires.get(meta.case, set()) - impl.capabilities)
         if missing:  # before hypothesis: rejecting every drawn example would take seconds
-            pytest.skip(f"NotSupported: {impl.name} does not declare {', '.join(missing)}")
+            pytest.skip(not_supported_reason(impl.name, str(NotSupported.undeclared(*missing))))
+        use_cache_dir(session.options.reports_dir)  # not ./.hypothesis
         deep = self.config.option.fuzz_examples
         budget = deep or CI_EXAMPLES
         timeout = meta.spec.timeout or self.config.option.check_timeout
@@ -134,7 +158,7 @@ class FuzzItem(CheckItem):
         try:
             prop()
         except Unsatisfiable:
-            pytest.skip(f"NotSupported: {impl.name} does not support {stats['unsupported']}")
+            pytest.skip(not_supported_reason(impl.name, stats["unsupported"]))
         except (ExampleFailed, Flaky) as exc:
             failure = exc if isinstance(exc, ExampleFailed) else stats["smallest"]
             raise self._failure(failure, stats, budget, shrink_for, drops) from None

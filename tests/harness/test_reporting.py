@@ -101,7 +101,7 @@ def test_repro_under_nox_carries_every_option_that_changes_the_outcome(monkeypat
 def test_repro_of_a_python_m_run_says_python_m_and_carries_the_plugin_path(tmp_path, monkeypatch):
     """A ``python -m conformance`` run is rerun with ``python -m conformance`` (nox's variables mean
     nothing there), with the sys.path entry its plug-in was imported from as PYTHONPATH."""
-    from conformance.reporting import LAUNCHER_ENV, repro_command, rerun_options
+    from conformance.reporting import LAUNCHER_ENV, python_command, repro_command, rerun_options
 
     (tmp_path / "my_fork_r").mkdir()
     (tmp_path / "my_fork_r" / "__init__.py").write_text("")
@@ -115,7 +115,7 @@ def test_repro_of_a_python_m_run_says_python_m_and_carries_the_plugin_path(tmp_p
     assert rerun.paths == (str(tmp_path.resolve()),)
     line = repro_command(_meta("my_fork_r.conformance:Adapter", "c.py::t[f-ws2]", rerun))
     assert line == (
-        f"PYTHONPATH={tmp_path.resolve()} python -m conformance --impl "
+        f"PYTHONPATH={tmp_path.resolve()} {python_command()} -m conformance --impl "
         "my_fork_r.conformance:Adapter --world-sizes 2 --device cpu --backend gloo "
         "'c.py::t[f-ws2]'"
     )

@@ -153,8 +153,11 @@ def shard_dim(param) -> int:
     return placement.dim
 
 
-def named_unique(model):
-    return list(model.named_parameters())  # tied parameters appear once (named_parameters dedups)
+def named_unique(model, impl=None):
+    """(name, parameter) once per parameter (named_parameters dedups ties); with ``impl``, the
+    names are its clean FQNs (the sharded model's wrappers may rename them)."""
+    clean = impl.clean_fqn if impl is not None else str
+    return [(clean(n), p) for n, p in model.named_parameters()]
 
 
 def assert_close(ctx, what, actual, expected, tol):
@@ -202,7 +205,7 @@ def run_parity(
         if mp_tolerance:
             before = {
                 n: p.detach().full_tensor().cpu().float().clone()  # never alias the param
-                for n, p in named_unique(model)
+                for n, p in named_unique(model, ctx.impl)
             }
             obefore = {n: p.detach().clone().cpu() for n, p in named_unique(oracle)}
         for micro in range(accumulate):
@@ -219,7 +222,7 @@ def run_parity(
                 ctx, f"step {step} micro-batch {micro} loss", loss, oloss_all[mine].mean(), tol
             )
         if not mp_tolerance:
-            for name, param in named_unique(model):
+            for name, param in named_unique(model, ctx.impl):
                 if oracle.get_parameter(name).grad is None:
                     continue
                 grad = param.grad
@@ -241,7 +244,7 @@ def run_parity(
         opt.zero_grad()
         oopt.zero_grad()
         if mp_tolerance:
-            for name, param in named_unique(model):
+            for name, param in named_unique(model, ctx.impl):
                 update = param.detach().full_tensor().cpu().float() - before[name]  # noqa: F821
                 oupdate = oracle.get_parameter(name).detach().cpu() - obefore[name]  # noqa: F821
                 err = (update - oupdate).norm().item()
@@ -250,7 +253,7 @@ def run_parity(
                     f"{ctx.where()} {name} step {step}: update differs from the fp32 oracle's by "
                     f"{err:.3g} (norm), more than 5% of its norm {scale:.3g}"
                 )
-    for name, param in named_unique(model):
+    for name, param in named_unique(model, ctx.impl):
         full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
         tol = dict(rtol=2e-2, atol=2e-3) if mp_tolerance else FP32["param"]
         assert_close(ctx, f"{name} after {steps} steps", full, oracle.get_parameter(name), tol)

@@ -222,7 +222,7 @@ KIND_CASES = {k: {"kind": k} for k in KIND_CAPABILITY}
 def require_kind(ctx, kind: str, impl=None) -> None:
     impl = impl or ctx.impl
     if KIND_CAPABILITY[kind] not in impl.capabilities:
-        raise NotSupported(KIND_CAPABILITY[kind])
+        raise NotSupported.undeclared(KIND_CAPABILITY[kind])
 
 
 def full_kind(impl) -> str:
@@ -231,7 +231,7 @@ def full_kind(impl) -> str:
         return "full"
     if base.DTENSOR_STATE_DICT in impl.capabilities:
         return "dcp-full"
-    raise NotSupported(f"{impl.name}: {base.FULL_STATE_DICT} or {base.DTENSOR_STATE_DICT}")
+    raise NotSupported.undeclared(base.FULL_STATE_DICT, base.DTENSOR_STATE_DICT, any_of=True)
 
 
 def build(ctx, cls=Net, salt: int = 0, plan=NET_PLAN, impl=None, **options):

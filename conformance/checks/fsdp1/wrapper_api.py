@@ -191,7 +191,7 @@ def layout_rule(numels, world_size, rank, align):
     return segments, mask, chunk - (end - start), infos, chunk
 
 
-@check(area="layout", requires={base.FLAT_PARAM}, cases=ORIG)
+@check(area="layout", requires={base.FLAT_PARAM, base.FSDP1_API, base.AUTO_WRAP}, cases=ORIG)
 def flat_layout_fields(ctx, orig):
     """R10: every unit's flat parameter records the layout of the rule: ``_numels_with_padding``
     and ``_is_padding_mask`` (alignment padding before a parameter and a last padding segment

@@ -137,7 +137,7 @@ def per_param_dim0_dtensor_metadata(ctx, **case):
     originals["p0"] = (*originals["p0"][:2], False)
     model = ctx.impl.shard(model, ctx)
     for fqn, param in model.named_parameters():
-        shape, stride, requires_grad = originals[fqn]
+        shape, stride, requires_grad = originals[ctx.impl.clean_fqn(fqn)]
         assert isinstance(param, DTensor), (
             f"{ctx.where()} {fqn}: registered as {type(param).__name__}"
         )

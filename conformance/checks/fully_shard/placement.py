@@ -85,6 +85,7 @@ def _grads_and_values(ctx, model, oracle, x, what):
     out.sum().backward()
     oracle_out.sum().backward()
     for fqn, param in model.named_parameters():
+        fqn = ctx.impl.clean_fqn(fqn)
         (placement,) = param.placements
         assert isinstance(placement, Shard), f"{ctx.where()} {fqn}: placement {placement}"
         grad = param.grad
@@ -106,6 +107,7 @@ def assert_placed(ctx, model, originals, dims, what):
     from torch.distributed.tensor import DTensor, Shard
 
     for fqn, param in model.named_parameters():
+        fqn = ctx.impl.clean_fqn(fqn)
         orig, dim = originals[fqn], dims[fqn]
         assert isinstance(param, DTensor), f"{ctx.where()} {fqn}: not a DTensor"
         assert tuple(param.placements) == (Shard(dim),), (
@@ -175,6 +177,7 @@ def empty_rank_shards(ctx):
     net = ctx.impl.shard(net, ctx)
     assert_placed(ctx, net, originals, dict.fromkeys(originals, 0), "dim 0 < world size")
     for fqn, param in net.named_parameters():
+        fqn = ctx.impl.clean_fqn(fqn)
         expect_rows = chunk_of(originals[fqn], 0, ws, ctx.rank).shape[0]
         if expect_rows == 0:
             assert param.to_local().shape == (0, *originals[fqn].shape[1:]), (

@@ -248,12 +248,13 @@ def _kind(impl, kind: str) -> str:
     elif kind == "local":
         if base.LOCAL_STATE_DICT in caps:
             return "local"
-        raise NotSupported(f"local state dict ({base.LOCAL_STATE_DICT})")
+        raise NotSupported.undeclared(base.LOCAL_STATE_DICT)
     elif base.SHARDED_STATE_DICT in caps:
         return "sharded"
     elif base.DTENSOR_STATE_DICT in caps:
         return "dtensor"
-    raise NotSupported(
-        f"{kind} state dict ({base.FULL_STATE_DICT if kind == 'full' else base.SHARDED_STATE_DICT} "
-        f"or {base.DTENSOR_STATE_DICT})"
+    raise NotSupported.undeclared(
+        base.FULL_STATE_DICT if kind == "full" else base.SHARDED_STATE_DICT,
+        base.DTENSOR_STATE_DICT,
+        any_of=True,
     )

@@ -65,7 +65,7 @@ def layout(ctx, example):
             f"{ctx.where()} flattened parameters {sorted(seen)} != the model's {sorted(originals)}"
         )
     else:
-        raise NotSupported(f"{base.PER_PARAM_DIM0} or {base.FLAT_PARAM}")
+        raise NotSupported.undeclared(base.PER_PARAM_DIM0, base.FLAT_PARAM, any_of=True)
     reassembled = full_params(ctx, model)
     for fqn, orig in originals.items():
         if example.get("placements", {}).get(fqn, 0) == 0:  # full_params reads dim-0 views

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from conformance.adapters import base
 from conformance.checks._shared.sd_models import (
     AC_PLAN,
     AREA,
@@ -50,7 +51,11 @@ def shared_params(ctx, kind):
     assert_loaded(ctx, dst, expected, f"after loading a {kind} state dict")
 
 
-@check(area=AREA, cases={k: {"kind": k} for k in ("full", "sharded")})
+@check(
+    area=AREA,
+    requires={base.FLAT_PARAM, base.AUTO_WRAP},
+    cases={k: {"kind": k} for k in ("full", "sharded")},
+)
 def ignored_modules(ctx, kind):
     """S14: with ``ignored_modules=[outer]`` the keys equal the unwrapped model's; the ignored
     parameters are saved as plain tensors, uncloned under FULL (the live tensor itself), and a
