@@ -23,19 +23,49 @@ from conformance import expectations
 from conformance.adapters.registry import DEFAULT_SELECTION, lineage
 
 
+def _source(name: str, device: str, directory: Path) -> Path:
+    """Where another implementation's files are read from: ``directory`` when it holds them,
+    else the shipped ones."""
+    own = (directory / f"{name}.txt", directory / f"{name}.{device}.txt")
+    return directory if any(p.exists() for p in own) else expectations.DEFAULT_DIR
+
+
 def expectations_for(impl, device: str, directory: Path) -> expectations.Expectations:
-    """The entries that apply to ``impl`` on ``device``: those of each name in its lineage."""
+    """The entries that apply to ``impl`` on ``device``: those of each name in its lineage, and
+    the single entries its own files adopt with ``inherit <implementation> <prefix>``."""
     loaded = []
     for i, name in enumerate(lineage(impl)):
-        source = directory
-        own = (directory / f"{name}.txt", directory / f"{name}.{device}.txt")
-        if i and not any(p.exists() for p in own):
-            source = expectations.DEFAULT_DIR
+        source = _source(name, device, directory) if i else directory
         loaded.append(expectations.load(name, device, source))
+    loaded += [adopted(a, device, directory) for a in loaded[0].inherit]
     merged = expectations.Expectations()
     for f in dataclasses.fields(merged):  # the entries (and any other list it keeps), in order
         setattr(merged, f.name, [x for exp in loaded for x in getattr(exp, f.name)])
     return merged
+
+
+def adopted(line: expectations.Inherit, device: str, directory: Path):
+    """The entries one ``inherit`` line adopts: ``line.base``'s entries whose prefix is exactly
+    ``line.prefix`` (each version-marker variant), their reasons saying where they came from; an
+    ExpectationsError naming the line when there are none."""
+    base = expectations.load(line.base, device, _source(line.base, device, directory))
+    if not any(e.prefix == line.prefix for e in base.entries + base.other_torch):
+        known = sorted({e.prefix for e in base.entries + base.other_torch})
+        raise expectations.ExpectationsError(
+            f"{line.source}: inherit {line.base} {line.prefix}: {line.base}'s expectations have no "
+            f"entry with exactly that prefix"
+            + (f" (e.g. {', '.join(known[:3])})" if known else f" ({line.base} has none)")
+        )
+
+    def copy(entry):
+        return dataclasses.replace(
+            entry, reason=f"{entry.reason} (inherited by {line.source})", matched=0
+        )
+
+    return expectations.Expectations(
+        [copy(e) for e in base.entries if e.prefix == line.prefix],
+        [copy(e) for e in base.other_torch if e.prefix == line.prefix],
+    )
 
 
 @functools.cache
@@ -95,11 +125,19 @@ def inherit_hint(meta, impl, results) -> str:
         return ""
     lines = "".join(f"\n  {base}: {what}" for base, what in found)
     base = found[0][0]
+    entry = _shipped(base, meta.device).match(meta.case_id)
+    single = (
+        f"\nIf {impl.name} is not built on {base} but shares this one deviation, adopt that entry "
+        f"alone: add the line `inherit {base} {entry.prefix}` to {impl.name}'s expectations file "
+        f"(docs/expectations.md, 'Adopting one upstream deviation')."
+        if entry is not None and entry.pinned
+        else ""
+    )
     return (
         f"\n\nThis failure fits a known deviation of {', '.join(dict(found))}, which "
         f"{impl.name} does not inherit:{lines}\n"
         f'If {impl.name} is built on {base} and keeps this behaviour, set `inherits = "{base}"` on '
         f"its adapter (a class attribute, or FullyShardAdapter / FlatParamAdapter(..., "
         f'inherits="{base}")): the case is then expected (xfail) or steered around as for {base}. '
-        f"See docs/adapters.md, 'Upstream's known deviations'."
+        f"See docs/adapters.md, 'Upstream's known deviations'." + single
     )

@@ -159,10 +159,22 @@ class Entry:
         return "; ".join(reasons)
 
 
+@dataclass(frozen=True)
+class Inherit:
+    """``inherit <implementation> <case-id prefix>``: adopt that implementation's entries with
+    exactly this prefix (every version marker of them), for an implementation that shares one of
+    its deviations without being built on it (no ``inherits``)."""
+
+    base: str
+    prefix: str
+    source: str  # file:line
+
+
 @dataclass
 class Expectations:
     entries: list[Entry] = field(default_factory=list)  # those that apply to the running torch
     other_torch: list[Entry] = field(default_factory=list)  # left out by their version marker
+    inherit: list[Inherit] = field(default_factory=list)  # single deviations adopted by id
 
     def match(self, case_id: str) -> Entry | None:
         """The longest listed prefix of ``case_id``."""
@@ -233,7 +245,12 @@ def _signature(rest: str, where: str):
 
 
 def parse(text: str, source: str) -> list[Entry]:
-    entries = []
+    """The entries of an expectations file's text (its ``inherit`` lines: :func:`parse_all`)."""
+    return parse_all(text, source)[0]
+
+
+def parse_all(text: str, source: str) -> tuple[list[Entry], list[Inherit]]:
+    entries, inherits = [], []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = "" if raw.lstrip().startswith("#") else raw.strip().replace("\t", " ")
         if not line:
@@ -244,6 +261,9 @@ def parse(text: str, source: str) -> list[Entry]:
                 f"{where}: the line holds control characters; is this an expectations file?"
             )
         prefix, _, rest = line.partition(" ")
+        if prefix == "inherit":
+            inherits.append(_inherit(rest, where))
+            continue
         if "::" not in prefix:
             raise ExpectationsError(
                 f"{where}: {prefix!r} is not a case-id prefix: write '<area>::<check>[ws<N>-<case>' "
@@ -257,11 +277,28 @@ def parse(text: str, source: str) -> list[Entry]:
                 f"<why it is expected to fail>'"
             )
         entries.append(Entry(prefix, reason, where, raises, match, marker))
-    return entries
+    return entries, inherits
+
+
+def _inherit(rest: str, where: str) -> Inherit:
+    base, _, prefix = rest.strip().partition(" ")
+    prefix = prefix.strip()
+    if not base or "::" not in prefix or " " in prefix:
+        raise ExpectationsError(
+            f"{where}: write 'inherit <implementation> <case-id prefix>', e.g. 'inherit "
+            f"torch-fsdp2 training::train_parity_zero_numel_param[', naming one entry of that "
+            f"implementation's expectations by its prefix"
+        )
+    return Inherit(base, prefix, where)
 
 
 def read(path: Path) -> list[Entry]:
     """The entries of one file (ExpectationsError naming the file when it is not readable text)."""
+    return read_all(path)[0]
+
+
+def read_all(path: Path) -> tuple[list[Entry], list[Inherit]]:
+    """The entries and ``inherit`` lines of one file."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -271,7 +308,7 @@ def read(path: Path) -> list[Entry]:
         ) from None
     except OSError as exc:
         raise ExpectationsError(f"{path}: cannot be read ({exc.strerror})") from None
-    return parse(text, str(path))
+    return parse_all(text, str(path))
 
 
 def load(
@@ -283,11 +320,14 @@ def load(
         import torch
 
         torch_version = torch.__version__
-    entries = []
+    entries, inherits = [], []
     for path in (directory / f"{impl_name}.txt", directory / f"{impl_name}.{device}.txt"):
         if path.exists():
-            entries += read(path)
+            more, adopted = read_all(path)
+            entries += more
+            inherits += adopted
     return Expectations(
         [e for e in entries if e.applies(torch_version)],
         [e for e in entries if not e.applies(torch_version)],
+        inherits,
     )

@@ -255,3 +255,33 @@ def test_every_shipped_entry_is_pinned():
         if not e.pinned
     ]
     assert not unpinned, "shipped expectations without raises=/match=:\n" + "\n".join(unpinned)
+
+
+def test_inherit_adopts_one_upstream_entry_by_its_prefix(tmp_path):
+    """``inherit torch-fsdp2 <prefix>`` in an implementation's own file adopts exactly the base's
+    entries with that prefix (not the base's other entries, and without ``inherits``); the
+    adopted entry keeps the base's signature and source and says where it was adopted; a prefix
+    the base does not list stops the run naming the line (issue 26)."""
+    from types import SimpleNamespace
+
+    from conformance import deviations
+
+    prefix = "layout::per_param_dim0_local_shard[ws*-zero-trailing-"
+    (tmp_path / "not-a-fork.txt").write_text(
+        f"# shares one deviation\ninherit torch-fsdp2 {prefix}\n"
+    )
+    impl = SimpleNamespace(name="not-a-fork", inherits=None)
+    got = deviations.expectations_for(impl, "cpu", tmp_path)
+    upstream = [e for e in expectations.load("torch-fsdp2", "cpu").entries if e.prefix == prefix]
+    assert upstream and [e.prefix for e in got.entries] == [prefix] * len(upstream)
+    (entry,) = got.entries[:1]
+    assert entry.source == upstream[0].source and entry.raises == upstream[0].raises
+    assert entry.reason.endswith(f"(inherited by {tmp_path / 'not-a-fork.txt'}:2)"), entry.reason
+    assert got.match("layout::per_param_dim0_local_shard[ws2-zero-trailing-x]") is not None
+    assert got.match("strict::noncontiguous_parameter[ws2-transposed]") is None  # not adopted
+
+    (tmp_path / "not-a-fork.txt").write_text("inherit torch-fsdp2 layout::no_such_check[\n")
+    with pytest.raises(expectations.ExpectationsError, match=r"not-a-fork.txt:1: inherit"):
+        deviations.expectations_for(impl, "cpu", tmp_path)
+    with pytest.raises(expectations.ExpectationsError, match="write 'inherit <implementation>"):
+        expectations.parse_all("inherit torch-fsdp2\n", "f.txt")
