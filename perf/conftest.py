@@ -185,7 +185,7 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
                                 else "",
                             )
                     elif area == "paired":  # an FSDP2-style impl against upstream, one task
-                        if style == "fsdp2" and impl.name != "torch-fsdp2":
+                        if style == "fsdp2" and not is_upstream(impl):
                             for step in ("unshard", "full_sd"):
                                 add(impl.name, spec, style, step, f"{step}_upstream")
                     elif area == "padding":
@@ -206,6 +206,15 @@ def _cases_for(area: str, perf: PerfSession) -> list[Case]:
                                 add(impl.name, spec, style, "load", "floor" if full else None, kind)
     # FSDP1 has no unshard piece either: keep only end to end for it
     return [c for c in out if not (c.style == "fsdp1" and c.step == "unshard")]
+
+
+def is_upstream(impl) -> bool:
+    """Whether ``impl``'s API namespace (``ns``, declared with ``fsdp2-api``) is upstream's own
+    ``torch.distributed.fsdp``, the other side of every paired case: paired with itself it would
+    measure nothing. Declared data, never the implementation's name."""
+    import torch.distributed.fsdp as upstream
+
+    return getattr(impl, "ns", None) is upstream
 
 
 # ---------------------------------------------------------------------------------------- session
