@@ -218,7 +218,7 @@ class ConformanceSession:
                 from conformance.runner.inprocess import InProcessGroup
 
                 self._group = InProcessGroup(
-                    device, backend, grace=opt.grace, terminal_fd=_TERMINAL_FD
+                    device, backend, grace=opt.grace, terminal_fd=_TERMINAL_FD, session=self
                 )
             else:
                 from conformance.runner.pool import WorkerGroup
@@ -495,10 +495,11 @@ class CheckItem(pytest.Item):
             Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout, timeout_text)
         )
         self.rank_results = results
-        if getattr(group, "lost", None):  # torchrun / srun: ranks are gone, the run stops here
-            session.interrupted = group.lost_text  # the reports are partial, "INTERRUPTED by ..."
+        stop = getattr(group, "stop_reason", "")  # torchrun / srun: ranks lost or stuck
+        if stop:  # the run stops here; its reports are partial ("INTERRUPTED by lost ranks ...")
+            session.interrupted = stop
             _outcome["ranks_lost"] = 1
-            self.session.shouldfail = group.lost_text
+            self.session.shouldfail = stop
         if self.config.option.respawn_every_check:
             session.close_group()
         passed = (protocol.OK, protocol.NOT_SUPPORTED, protocol.SKIPPED)

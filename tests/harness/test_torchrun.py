@@ -187,16 +187,19 @@ def test_two_agents_run_the_same_cases_as_the_worker_pool(agents, tmp_path):
     assert report["interrupted"] is False and report["cases_not_run"] == 0
 
 
-def test_losing_a_node_mid_check_ends_the_run_naming_the_lost_ranks(agents, tmp_path):
-    """SIGKILL node 1 (its agent and its two ranks) while its ranks sleep in a check: rank 0 must
-    fail that case naming ranks 2 and 3 as lost, stop the run (the next check never runs), write
-    the partial report into its run directory and exit with 6; its agent then fails."""
+@pytest.mark.parametrize("survivors", ["idle", "collective"])
+def test_losing_a_node_mid_check_ends_the_run_naming_the_lost_ranks(agents, tmp_path, survivors):
+    """SIGKILL node 1 (its agent and its two ranks) while its ranks sleep in a check, node 0's
+    ranks having returned (``idle``: they wait for the results) or waiting for node 1 in an
+    all-reduce (``collective``: stuck there, or failed by gloo): rank 0 must fail that case
+    naming ranks 2 and 3 as lost, stop the run (the next check never runs), write the partial
+    report into its run directory and exit with 6; its agent then fails."""
     markers = tmp_path / "markers"
     markers.mkdir()
     run = agents(
         ["--impl", "tests.harness.fake_impl:FakeImpl", "--check-dir", "tests/harness/nodeloss_checks",
          "-k", "nodeloss", "--check-timeout", "4", "--grace", "0"],
-        env={MARKERS: str(markers)},
+        env={MARKERS: str(markers), "FSDP_CONFORMANCE_NODELOSS_MODE": survivors},
     )  # fmt: skip
     run._wait(lambda: len(list(markers.glob("rank?"))) == 2, STARTUP, "node 1's ranks in the check")
     ranks = {p.name: [int(x) for x in p.read_text().split()] for p in markers.glob("rank?")}
@@ -228,7 +231,14 @@ def test_losing_a_node_mid_check_ends_the_run_naming_the_lost_ranks(agents, tmp_
     lost = by_name["during_the_loss"]
     assert lost["outcome"] == "fail"
     statuses = {r["rank"]: r["status"] for r in lost["ranks"]}
-    assert statuses == {0: "ok", 1: "ok", 2: "died", 3: "died"}, statuses
+    if survivors == "idle":
+        assert statuses == {0: "ok", 1: "ok", 2: "died", 3: "died"}, statuses
+    else:  # gloo fails the all-reduce on some survivors and leaves others in it
+        assert statuses[2] == statuses[3] == "died", statuses
+        assert {statuses[0], statuses[1]} <= {"timeout", "error"}, statuses
+        stuck = sorted(r for r in (0, 1) if statuses[r] == "timeout")
+        if stuck:
+            assert "stuck in the check past its budget" in report["signal"]
     assert "after_the_loss" not in by_name
 
 

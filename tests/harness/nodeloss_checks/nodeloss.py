@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conformance.registry import check
 
 MARKERS = "FSDP_CONFORMANCE_NODELOSS_MARKERS"  # directory the ranks announce themselves in
+MODE = "FSDP_CONFORMANCE_NODELOSS_MODE"  # what the first node's ranks do meanwhile
 
 
 @check(area="nodeloss")
@@ -27,14 +28,17 @@ def before_the_loss(ctx):
 @check(area="nodeloss")
 def during_the_loss(ctx):
     """The ranks of the nodes after the first announce themselves (pid, agent pid) in $MARKERS and
-    sleep, so that the test's kill of their node lands in the middle of this check; the first
-    node's ranks return at once."""
+    sleep, so that the test's kill of their node lands in the middle of this check. The first
+    node's ranks return at once ($MODE ``idle``) or wait for them in an all-reduce that can never
+    complete (``collective``: a lost peer does not make gloo's all-reduce fail)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if ctx.rank >= local:
         path = Path(os.environ[MARKERS]) / f"rank{ctx.rank}"
         path.with_suffix(".tmp").write_text(f"{os.getpid()} {os.getppid()}")
         path.with_suffix(".tmp").rename(path)
         time.sleep(600)
+    if os.environ.get(MODE) == "collective":
+        dist.all_reduce(torch.ones(1))
 
 
 @check(area="nodeloss")
