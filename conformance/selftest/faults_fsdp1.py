@@ -753,3 +753,80 @@ fault(
     "the flat gradient drops unused parameters' (zero) ranges and packs the rest, shifting later "
     "parameters' gradients",
 )(_packed_used_grads)
+
+
+# ------------------------------------------- sharding strategies other than FULL_SHARD (R19, R20)
+def _sgo_frees_after_forward(original):
+    def post_forward_reshard(state, handle):
+        strategy = getattr(handle, "_sharding_strategy", None)
+        if strategy is None or strategy.name not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):
+            return original(state, handle)
+        handle._sharding_strategy = type(strategy).FULL_SHARD  # the bug: freed like FULL_SHARD
+        try:
+            return original(state, handle)
+        finally:
+            handle._sharding_strategy = strategy
+
+    return post_forward_reshard
+
+
+fault(
+    "t1-shard-grad-op-frees-after-forward",
+    "torch-fsdp1",
+    "R19",
+    "training",
+    f"{TORCH}:_post_forward_reshard",
+    "upstream: SHARD_GRAD_OP (and _HYBRID_SHARD_ZERO2) free the gathered parameters after "
+    "forward, so backward all-gathers them again",
+)(_sgo_frees_after_forward)
+
+
+def _no_inter_node_all_reduce(original):
+    def reduce_grad(state, handle):
+        import torch.distributed as dist
+
+        inter = getattr(state, "_inter_node_pg", None)
+        all_reduce = dist.all_reduce
+
+        def skip_inter_node(tensor, *args, group=None, **kwargs):
+            if inter is not None and group is inter:
+                return None  # the bug: the replicas never average their gradients
+            return all_reduce(tensor, *args, group=group, **kwargs)
+
+        dist.all_reduce = skip_inter_node
+        try:
+            return original(state, handle)
+        finally:
+            dist.all_reduce = all_reduce
+
+    return reduce_grad
+
+
+fault(
+    "t1-hybrid-skips-replicate-all-reduce",
+    "torch-fsdp1",
+    "R20",
+    "training",
+    f"{TORCH}:_reduce_grad",
+    "upstream HYBRID_SHARD: the gradient shard is not all-reduced across the replicate group",
+    world_sizes=(4,),
+)(_no_inter_node_all_reduce)
+
+
+# ------------------------------------------------------------- optimizer state dicts (S24)
+def _drop_step(result, *args, **kwargs):
+    for state in result.get("state", {}).values():
+        if "step" in state:  # the bug: the step count is not carried into the loaded state
+            state["step"] = torch.zeros_like(torch.as_tensor(state["step"]))
+    return result
+
+
+fault(
+    "t1-optim-load-drops-step",
+    "torch-fsdp1",
+    "S24",
+    "state_dict",
+    f"{TORCH}:FullyShardedDataParallel.optim_state_dict_to_load",
+    "upstream: optim_state_dict_to_load resets Adam's step count to 0 (the loaded optimizer "
+    "redoes the bias correction of a first step)",
+)(wrap(after=_drop_step))

@@ -44,7 +44,7 @@ KEEPS_REQUIRES_GRAD = {"local"}
 
 @check(area=AREA, cases=KIND_CASES)
 def values_are_detached(ctx, kind):
-    """No tensor of the state dict (each kind, after a training step) has a ``grad_fn``: the
+    """S25: no tensor of the state dict (each kind, after a training step) has a ``grad_fn``: the
     values carry no autograd history; and but for LOCAL (whose ShardedTensor keeps the flat
     parameter's flag) none has ``requires_grad`` set, as ``nn.Module.state_dict`` returns them."""
     require_kind(ctx, kind)
