@@ -427,6 +427,9 @@ def full_trace(ws=DEFAULT_WS) -> dict:
             more = run_trace([wide], extra=targets)
             data["cases"].update(more["cases"])
             data["wall_s"] = round(data["wall_s"] + more["wall_s"], 1)
+            data["recorder_errors"] = sorted(
+                {*data.get("recorder_errors", []), *more["recorder_errors"]}
+            )
     data["ws"] = list(ws)
     return data
 
