@@ -64,6 +64,16 @@ def tests(session: nox.Session) -> None:
         "reports/smoke",
         "-q",
     )
+    # Order independence (docs/running.md, "Isolation between checks"): world size 1 again in a
+    # shuffled order; every case must end as in the smoke run's collection order.
+    session.run(
+        "python", "-m", "conformance", "--world-sizes", "1", "--shuffle", "25",
+        "--reports-dir", "reports/shuffled", "-q", success_codes=[0, 1],
+    )  # fmt: skip
+    session.run(
+        "python", "-m", "conformance.runner.order", "reports/smoke/conformance.json",
+        "reports/shuffled/conformance.json", "--world-size", "1",
+    )  # fmt: skip
     session.run(
         "python", "-m", "pytest", "perf", "--quick", "-q", "--perf-reports-dir", "reports/smoke"
     )

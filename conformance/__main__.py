@@ -44,6 +44,8 @@ def run_suite(argv: list[str]) -> int:
     code = pytest.main(["-p", "conformance.plugin", "-rfE", *targets, *argv])
     from conformance import plugin  # after pytest.main, which imports it (assertion rewriting)
 
+    if plugin._outcome.get("closed_stdout"):  # (pytest put the closed pipe back on fd 1)
+        plugin.silence_stdout()
     return plugin.exit_status(code)
 
 

@@ -14,6 +14,13 @@ from conformance.adapters.base import Implementation, NotSupported
 _MESHES: dict[tuple, object] = {}  # one DeviceMesh per (device type, shape, names) per process
 
 
+def cached_meshes() -> list:
+    """The meshes this process keeps for reuse across checks (:meth:`CheckContext.make_mesh`):
+    their process groups outlive a check (see [Note: per-check cleanup] in
+    :mod:`conformance.runner.resources`)."""
+    return list(_MESHES.values())
+
+
 @dataclass
 class CheckContext:
     """Where a check runs: this rank, the group, the device and the implementation under test."""

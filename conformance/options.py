@@ -42,6 +42,16 @@ class Options:
     expectations_dir: Path
     check_dirs: list[Path]
     reports_dir: Path | None  # None: this process writes no reports; see writable_dir
+    shuffle: int | None = None  # --shuffle SEED: each world size's cases in a random order
+    rank_memory: int | str | None = "default"  # bytes; None: off; "default": MemTotal / (ws + 1)
+
+    def memory_limit(self, world_size: int) -> int | None:
+        """Bytes a rank of a ``world_size`` group may hold (see conformance.runner.memory)."""
+        from conformance.runner import memory
+
+        if self.rank_memory == "default":
+            return memory.default_limit(world_size)
+        return self.rank_memory
 
 
 def seconds(option: str, text, *, allow_zero: bool, example: str) -> float:
@@ -68,6 +78,32 @@ def positive_int(option: str, text, *, example: str) -> int:
             option, f"{text!r} is not a whole number >= 1", f"pass e.g. {option} {example}"
         )
     return value
+
+
+def rank_memory(text: str | None) -> int | str | None:
+    """``--rank-memory-limit`` in bytes, None for ``off``, ``"default"`` when not given."""
+    from conformance.runner import memory
+
+    if text is None:
+        return "default"
+    try:
+        return memory.parse_size(text)
+    except ValueError:
+        raise UsageError(
+            "--rank-memory-limit",
+            f"{text!r} is not a memory size",
+            "pass e.g. --rank-memory-limit 6G (or 800M, or off)",
+        ) from None
+
+
+def shuffle_seed(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not str(text).strip().isdigit():
+        raise UsageError(
+            "--shuffle", f"{text!r} is not a whole number >= 0", "pass e.g. --shuffle 1"
+        )
+    return int(str(text).strip())
 
 
 def world_sizes(text: str | None) -> list[int] | None:
@@ -204,6 +240,8 @@ def validate(opt, rootpath: Path, *, torchrun: bool, writes_reports: bool) -> Op
         ),
         check_dirs=[check_dir(d, rootpath) for d in opt.check_dir],
         reports_dir=Path(opt.reports_dir) if writes_reports else None,
+        shuffle=shuffle_seed(getattr(opt, "shuffle", None)),
+        rank_memory=rank_memory(getattr(opt, "rank_memory_limit", None)),
     )
 
 

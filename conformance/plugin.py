@@ -89,6 +89,25 @@ def pytest_addoption(parser):
         "repeatable",
     )
     g.addoption(
+        "--shuffle",
+        default=None,
+        metavar="SEED",
+        help="run the cases of each world size in a random order drawn from SEED (a whole "
+        "number); outcomes must not depend on it (see docs/running.md, 'Isolation between checks')",
+    )
+    g.addoption(
+        "--rank-memory-limit",
+        default=None,
+        help="resident memory a rank may use before it is killed and fails its check, e.g. 6G, "
+        "800M, or off (default: the host's MemTotal / (world size + 1))",
+    )
+    g.addoption(
+        "--no-isolation",
+        action="store_true",
+        help="skip the snapshot and restore of process-global state around each check (for "
+        "measuring its cost; leaks then go unreported)",
+    )
+    g.addoption(
         "--fuzz-examples",
         type=int,
         default=None,
@@ -229,6 +248,7 @@ class ConformanceSession:
                     backend,
                     threads_per_rank=opt.threads_per_rank,
                     grace=opt.grace,
+                    memory_limit=self.options.memory_limit(world_size),
                 )
         return self._group
 
@@ -296,7 +316,7 @@ _outcome: dict[str, int] = {}  # "usage_error" / "signal" of the last run in thi
 
 def exit_status(pytest_code: int) -> int:
     """The command's exit code for pytest's ``pytest_code`` (see [Note: exit codes])."""
-    if _outcome.get("usage_error"):
+    if _outcome.get("usage_error") or _outcome.get("reports_not_written"):
         return EXIT_USAGE
     if _outcome.get("ranks_lost"):
         return EXIT_RANKS_LOST
@@ -314,6 +334,8 @@ def pytest_cmdline_main(config):
     _outcome.clear()
     if config.option.help or config.option.version:
         return None
+    if not isinstance(sys.stdout, ClosedPipeGuard):  # before pytest's terminal writer takes it
+        sys.stdout = ClosedPipeGuard(sys.stdout)
     try:
         session = ConformanceSession(config)
     except options.UsageError as exc:
@@ -363,12 +385,65 @@ def pytest_configure(config):
             config.option.xmlpath = str(session.run_dir / "conformance.xml")
     if not session.torchrun and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+        # A run started with SIGINT ignored (a background job, nohup) keeps ignoring it, as Unix
+        # programs do; SIGTERM still stops it (docs/running.md, "Exit codes and signals").
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt)
 
 
 def _interrupt(signum, frame):
-    """SIGTERM ends the run like Ctrl-C: workers are killed, the reports are written."""
+    """SIGTERM ends the run like Ctrl-C: workers are killed, the reports are written. A signal
+    that comes while the run is already stopping (a CI runner that signals the whole process
+    group, or again before its SIGKILL) is noted and otherwise ignored: raising again would cut
+    the writing of the partial reports short."""
+    if "signal" in _outcome:
+        return
     _outcome["signal"] = signum
     raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+class ClosedPipeGuard:
+    """The stdout pytest's terminal writer gets: when the reader of a pipe goes away (``| head``,
+    quitting ``less``) the first failed write points file descriptor 1 at ``/dev/null`` and every
+    later write is dropped, so the run goes on to its end and writes its reports, quietly, with
+    its own exit code (docs/running.md, "Exit codes and signals")."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed = False
+
+    def write(self, text: str) -> int:
+        if not self.closed:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        self.closed = True
+        _outcome["closed_stdout"] = 1
+        silence_stdout()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at ``/dev/null`` (what is still buffered for it goes there too)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 def pytest_keyboard_interrupt(excinfo):
@@ -384,24 +459,73 @@ def pytest_collection_finish(session):
         cs.selected = [item.nodeid for item in session.items if item.nodeid in cs.meta]
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    """An interrupted run is known before the terminal summary and the reports are written."""
+    """An interrupted run is known before the terminal summary and the reports are written. The
+    JUnit XML is written inside this hook (pytest's junitxml): a full disk there is reported like
+    any other report that cannot be written (see :func:`_reports_not_written`), not as an
+    internal error, and the terminal summary still follows (it runs outside this wrapper)."""
     if _SESSION_KEY in session.config.stash and exitstatus == pytest.ExitCode.INTERRUPTED:
         signum = _outcome.get("signal", signal.SIGINT)
         _session(session.config).interrupted = signal.Signals(signum).name
+    try:
+        return (yield)
+    except OSError as exc:
+        if _SESSION_KEY not in session.config.stash or not _disk_error(exc):
+            raise
+        directory = Path(getattr(session.config.option, "xmlpath", "") or ".").parent
+        records = _session(session.config).records.values()
+        needed = sum(1000 + len(r.get("message", "")) for r in records)  # XML: about this much
+        _reports_not_written(reporting.ReportsNotWritten(directory, needed, exc))
+        return None
+
+
+def _disk_error(exc: OSError) -> bool:
+    """A write that failed for want of space (a full disk, a quota, a file-size limit)."""
+    import errno
+
+    return isinstance(exc, reporting.ReportsNotWritten) or exc.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EFBIG,
+    )
+
+
+def _reports_not_written(exc: OSError) -> None:
+    """One line on stderr (once) and exit code 2 (see [Note: exit codes])."""
+    if not _outcome.get("reports_not_written"):
+        _outcome["reports_not_written"] = 1
+        sys.stderr.write(f"fsdp conformance: {exc}\n")
+        sys.stderr.flush()
 
 
 def pytest_unconfigure(config):
     if _SESSION_KEY in config.stash:
         session = _session(config)
         session.close_group()
-        if session.run_dir is None:
-            pass
-        elif session.interrupted:  # not a finished run: the top-level files stay as they are
-            reporting.keep_partial_run(session.run_dir)
+        _finish_reports(session)  # when no terminal summary ran (-p no:terminal)
+
+
+def _finish_reports(session, wall: float | None = None, stale=None) -> None:
+    """Write this run's JSON and Markdown (when ``wall`` is given), then publish them to the
+    top level (a finished run) or leave them in the run's directory (an interrupted one); once.
+    A file that cannot be written ends the run with one line and exit code 2, the previous
+    reports untouched (see [Note: report files] in conformance.reporting)."""
+    if session.run_dir is None or getattr(session, "reports_done", False):
+        return
+    session.reports_done = True
+    try:
+        if wall is not None and not _outcome.get("reports_not_written"):
+            reporting.write_files(session, wall, stale or [], session.run_dir)
+        if session.interrupted or _outcome.get("reports_not_written"):
+            reporting.keep_partial_run(session.run_dir)  # the top-level files stay as they are
         else:
             reporting.publish_run(session.run_dir, session.options.reports_dir)
+    except OSError as exc:
+        if not _disk_error(exc):
+            raise
+        _reports_not_written(exc)
+        (session.run_dir / ".running").unlink(missing_ok=True)
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -491,9 +615,16 @@ class CheckItem(pytest.Item):
         impl = self._supported_implementation()
         timeout, timeout_text = check_budget(meta.spec, self.config.option.check_timeout)
         group = session.group(meta.world_size)
-        results = group.run(
-            Task(meta.spec.path, meta.impl_spec, meta.spec.cases[meta.case], timeout, timeout_text)
+        task = Task(
+            meta.spec.path,
+            meta.impl_spec,
+            meta.spec.cases[meta.case],
+            timeout,
+            timeout_text,
+            case=meta.case_id,
+            isolated=not self.config.option.no_isolation,
         )
+        results = group.run(task)
         self.rank_results = results
         stop = getattr(group, "stop_reason", "")  # torchrun / srun: ranks lost or stuck
         if stop:  # the run stops here; its reports are partial ("INTERRUPTED by lost ranks ...")
@@ -559,8 +690,29 @@ def _format_failure(results) -> str:
 
 def pytest_collection_modifyitems(session, config, items):
     # run all cases of one world size together so each group is spawned once
-    order = {ws: i for i, ws in enumerate(_session(config).world_sizes)}
-    items.sort(key=lambda it: order.get(getattr(getattr(it, "meta", None), "world_size", 0), -1))
+    cs = _session(config)
+    world_size = lambda it: getattr(getattr(it, "meta", None), "world_size", 0)  # noqa: E731
+    if cs.options.shuffle is not None:  # each world size's cases in an order drawn from the seed
+        items[:] = shuffled(items, cs.options.shuffle, world_size)
+    order = {ws: i for i, ws in enumerate(cs.world_sizes)}
+    items.sort(key=lambda it: order.get(world_size(it), -1))
+
+
+def shuffled(items: list, seed: int, world_size) -> list:
+    """``items`` with the cases of each world size in a random order drawn from ``seed`` and
+    that world size's cases alone (not the other world sizes selected beside them, nor the
+    order pytest collected them in). Items keep the slots their world size had."""
+    import random
+
+    by_size: dict[int, list] = {}
+    for item in items:
+        by_size.setdefault(world_size(item), []).append(item)
+    drawn = {}
+    for ws, group in by_size.items():
+        group = sorted(group, key=lambda it: it.nodeid)
+        random.Random(f"{seed}/ws{ws}").shuffle(group)
+        drawn[ws] = iter(group)
+    return [next(drawn[world_size(item)]) for item in items]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -648,7 +800,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not session.is_reporter:
         return
     wall = time.time() - session.started
-    stale = session.stale_entries()
+    # Stale entries need every check module imported (seconds): an interrupted run, which has
+    # a grace period to finish in, does not judge them.
+    stale = [] if session.interrupted else session.stale_entries()
+    # the reports first: printing can fail (a closed pipe) or be cut short (a second signal)
+    _finish_reports(session, wall, stale)
     reporting.terminal_summary(terminalreporter, session, wall, stale)
-    if session.run_dir is not None:
-        reporting.write_files(session, wall, stale, session.run_dir)

@@ -455,10 +455,45 @@ def write_files(session, wall: float, stale, directory: Path) -> None:
 # directory says so. The newest RUNS_KEPT run directories are kept.
 
 
-def write_atomic(path: Path, text: str) -> None:
+class ReportsNotWritten(OSError):
+    """A report file could not be written (a full disk, a file-size limit): ``str()`` is the one
+    line the run ends with (exit code 2); the files that were there before are untouched."""
+
+    def __init__(self, directory: Path, needed: int, cause: OSError):
+        from conformance.runner.memory import format_size
+
+        try:
+            free = format_size(shutil.disk_usage(directory).free)
+        except OSError:
+            free = "unknown"
+        super().__init__(
+            cause.errno,
+            f"cannot write the reports into {directory} ({cause.strerror or cause}): they need "
+            f"about {format_size(needed)} free there, {free} is; free some space (or lift the "
+            f"file-size limit) or pass another --reports-dir, then rerun",
+        )
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _write_tmp(path: Path, text: str) -> Path:
+    """``text`` into a temporary file beside ``path``; on failure nothing is left behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    data = text.encode()
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ReportsNotWritten(path.parent, len(data), exc) from exc
+    return tmp
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader (or a full
+    disk) never leaves half a file; raises :class:`ReportsNotWritten` with ``path`` untouched."""
+    os.replace(_write_tmp(path, text), path)
 
 
 def start_run(reports_dir: Path) -> tuple[Path, list[int]]:
@@ -479,9 +514,20 @@ def start_run(reports_dir: Path) -> tuple[Path, list[int]]:
 
 
 def publish_run(run_dir: Path, reports_dir: Path) -> None:
-    """Copy the run's report files to ``reports_dir`` (atomically) and prune old run directories."""
-    for path in sorted(run_dir.glob("conformance.*")):
-        write_atomic(reports_dir / path.name, path.read_text())
+    """Copy the run's report files to ``reports_dir`` and prune old run directories. All or
+    nothing: every file is written to a temporary name first, and only when all are written are
+    they renamed into place (a full disk leaves the previous run's files as they were)."""
+    written: list[tuple[Path, Path]] = []
+    try:
+        for path in sorted(run_dir.glob("conformance.*")):
+            target = reports_dir / path.name
+            written.append((_write_tmp(target, path.read_text()), target))
+    except OSError:
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, target in written:
+        os.replace(tmp, target)
     _end_run(run_dir)
 
 

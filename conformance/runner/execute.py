@@ -10,6 +10,7 @@ import torch
 
 from conformance.adapters.base import NotSupported
 from conformance.registry import Skip
+from conformance.runner import isolation
 from conformance.runner.protocol import ERROR, NOT_SUPPORTED, OK, SKIPPED, RankResult, Task, resolve
 
 _IMPLS: dict[str, object] = {}  # implementation spec -> loaded adapter, per process
@@ -31,6 +32,7 @@ def execute(
     from conformance.context import CheckContext
 
     start = time.perf_counter()
+    before = None
     try:
         fn = resolve(task.fn)
         ctx = CheckContext(
@@ -43,6 +45,8 @@ def execute(
             deadline=time.monotonic() + task.timeout,
         )
         patched = getattr(ctx.impl, "patched", contextlib.nullcontext)  # seeded faults (selftest)
+        # after loading the implementation and the check: what an import sets up is not a leak
+        before = isolation.snapshot() if task.isolated else None
         with patched():
             value = fn(ctx, **task.kwargs)
         status, detail = OK, ""
@@ -54,7 +58,16 @@ def execute(
         if isinstance(exc, KeyboardInterrupt):
             raise
         value, status, detail = None, ERROR, traceback.format_exc()
-    return RankResult(rank, status, _picklable(value), detail, time.perf_counter() - start)
+    recycle = False
+    if before is not None:  # see [Note: isolation between checks]
+        settled = isolation.settle(before, tuple(getattr(ctx.impl, "allowed_global_state", ())))
+        recycle = settled.recycle
+        if settled.leaks:
+            status = ERROR
+            detail = (detail.rstrip() + "\n\n" if detail else "") + settled.message()
+    result = RankResult(rank, status, _picklable(value), detail, time.perf_counter() - start)
+    result.recycle = recycle
+    return result
 
 
 def _picklable(value):

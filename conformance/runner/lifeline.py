@@ -15,9 +15,9 @@
 * The checkpoint save jobs (conformance/checks/state_dict/reshard.py) are forked from a server
   process in the worker's process group that exits with the worker; each job rank asks for the
   death signal too.
-* Temporary directories carry the driver's pid (or, for the checkpoint cache, that of the
-  forkserver the workers come from, a child of the driver) in their name; the driver removes its
-  own and its children's at exit, and a later run removes those whose process is gone
+* Temporary directories carry the driver's pid in their name (the checkpoint cache too: a worker
+  is told its driver's pid, :func:`driver_pid`); the driver removes its own and its children's at
+  exit, and a later run removes those whose process is gone
   (:func:`remove_stale_dirs`), which covers a driver killed with SIGKILL.
 """
 
@@ -51,6 +51,22 @@ def die_with_parent(parent_pid: int | None = None) -> None:
             os._exit(1)
     elif parent is not None and wait([parent.sentinel], timeout=0):
         os._exit(1)
+
+
+_DRIVER_PID: int | None = None  # set in a worker rank: the pid of the run's driver
+
+
+def set_driver_pid(pid: int) -> None:
+    """Record the pid of the driver this worker rank serves (see :func:`driver_pid`)."""
+    global _DRIVER_PID
+    _DRIVER_PID = pid
+
+
+def driver_pid() -> int:
+    """The pid of the process that runs the suite: the driver in a worker rank (told at start),
+    else this process (the driver itself, or a rank under torchrun). Names the run's temporary
+    directories, which :func:`remove_stale_dirs` removes once that process is gone."""
+    return os.getpid() if _DRIVER_PID is None else _DRIVER_PID
 
 
 STARTER_ENV = "FSDP_CONFORMANCE_FORKSERVER_STARTER"  # pid of the process starting a forkserver

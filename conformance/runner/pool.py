@@ -36,7 +36,7 @@ import socket
 import time
 from multiprocessing.connection import wait
 
-from conformance.runner import protocol
+from conformance.runner import memory, protocol
 from conformance.runner.protocol import RankResult, Task
 
 _LIVE_GROUPS: set[WorkerGroup] = set()
@@ -78,6 +78,7 @@ class WorkerGroup:
         probe_timeout: float = 5.0,
         thread_headroom: int | None = 128,
         fd_headroom: int | None = 256,
+        memory_limit: int | None = None,
     ):
         self.world_size = world_size
         self.device = device
@@ -88,6 +89,9 @@ class WorkerGroup:
         self.probe_timeout = probe_timeout
         self.thread_headroom = thread_headroom
         self.fd_headroom = fd_headroom
+        self.memory_limit = (
+            memory_limit  # bytes per rank (see [Note: rank memory limit]); None: off
+        )
         self.spawn_count = 0  # how many times the group was (re)started
         self.probe_failures = 0  # how many health probes found the group broken
         self.recycles = 0  # how many times the group outgrew its headroom and was restarted
@@ -125,6 +129,7 @@ class WorkerGroup:
                     self._stack_path(rank),
                     self.threads_per_rank,
                     self.start_timeout,
+                    os.getpid(),
                 ),
                 name=f"fsdp-conformance-rank{rank}",
                 daemon=True,
@@ -202,7 +207,9 @@ class WorkerGroup:
         elif not clean and not self.healthy():
             self.probe_failures += 1
             self.kill()
-        elif self.outgrown():
+        elif (
+            any(r.recycle for r in results) or self.outgrown()
+        ):  # global state it could not put back
             self.recycles += 1
             self.kill()
         return results
@@ -247,10 +254,25 @@ class WorkerGroup:
             limit = deadline
             if first_error_at is not None:
                 limit = min(deadline, first_error_at + self.grace)
+            timeout = max(0.0, limit - time.monotonic())
+            if self.memory_limit is not None:
+                timeout = min(timeout, memory.POLL_S)
             ready = wait(
                 [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending],
-                timeout=max(0.0, limit - time.monotonic()),
+                timeout=timeout,
             )
+            if self.memory_limit is not None and not ready:
+                for rank, used in self._over_memory(pending):
+                    results[rank] = RankResult(
+                        rank,
+                        protocol.DIED,
+                        detail=f"rank {rank} exceeded its {memory.format_size(self.memory_limit)} "
+                        f"memory limit in {getattr(message, 'case', '') or 'this check'} (resident "
+                        f"{memory.format_size(used)}; killed; see --rank-memory-limit)",
+                        duration=time.monotonic() - sent,
+                    )
+                    if first_error_at is None:
+                        first_error_at = time.monotonic()
             for rank in pending:
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready:
@@ -288,6 +310,20 @@ class WorkerGroup:
                         ).lstrip("\n")
                 torn_down = True
         return [results[r] for r in range(self.world_size)], torn_down
+
+    def _over_memory(self, ranks) -> list[tuple[int, int]]:
+        """The ranks among ``ranks`` above the memory limit, with their resident sets; each is
+        killed now with its process group (see [Note: rank memory limit])."""
+        from conformance.runner import lifeline
+
+        over = []
+        for rank in ranks:
+            used = memory.resident(self._procs[rank].pid)
+            if used is not None and used > self.memory_limit:
+                lifeline.kill_tree(self._procs[rank].pid)
+                self._procs[rank].join(5)
+                over.append((rank, used))
+        return over
 
     def _died(self, rank: int, sent: float) -> RankResult:
         proc = self._procs[rank]

@@ -34,6 +34,8 @@ class Task:
     timeout_text: str = (
         ""  # how the timeout came about, for messages ("30 s (3 x --check-timeout 10)")
     )
+    case: str = ""  # the case id, for the driver's messages ("rank 1 exceeded ... in <case>")
+    isolated: bool = True  # snapshot and restore the global state around it (runner.isolation)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class RankResult:
     value: Any = None
     detail: str = ""  # traceback, stack dump or exit reason
     duration: float = 0.0
+    recycle: bool = False  # the rank holds state it could not put back: restart the group
 
     @property
     def ok(self) -> bool:

@@ -74,8 +74,8 @@ def live_groups() -> list:
 
 def _cached_mesh_group_names() -> set[str]:
     """Names of the groups used by the meshes the harness keeps across checks."""
-    context = sys.modules.get("conformance.context")
-    meshes = list(getattr(context, "_MESHES", {}).values())
+    context = sys.modules.get("conformance.context")  # not imported: no cached mesh yet
+    meshes = context.cached_meshes() if context is not None else []
     names: set[str] = set()
     while meshes:
         mesh = meshes.pop()

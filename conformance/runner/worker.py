@@ -33,8 +33,10 @@ def worker_main(
     stack_path: str,
     threads: int,
     init_timeout: float,
+    driver_pid: int,
 ) -> None:
     lifeline.die_with_parent()
+    lifeline.set_driver_pid(driver_pid)
     lifeline.lead_process_group()
     lifeline.watch_parent()
     # The driver starts workers as daemons (never joined at its exit); a check may still start

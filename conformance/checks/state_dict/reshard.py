@@ -9,7 +9,7 @@ LOCAL, each rank's flat pieces with ``torch.save``) into a directory. Rank 0 bro
 directory's path before it starts the job; the other ranks wait for the directory (or an error
 file) to appear, outside any collective, and then ``dcp.load`` it into a fresh model at W2. The checkpoint content depends only on (implementation, W1), so it is written
 once per run and reused by every world size: it lives under
-``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (the workers' parent process); the driver removes
+``$TMPDIR/fsdp-conformance-sd-<driver pid>/`` (``lifeline.driver_pid``); the driver removes
 it at exit, and a driver killed outright leaves it to the next run, which removes it. The job's
 processes die with the rank that started them, and when they overrun the check's budget their
 stacks are reported (see ``_produce``). This works for
@@ -71,7 +71,7 @@ def _cache_root() -> Path:
     from conformance.runner import lifeline
 
     lifeline.remove_stale_dirs()
-    return Path(tempfile.gettempdir()) / f"{_PREFIX}{os.getppid()}"
+    return Path(tempfile.gettempdir()) / f"{_PREFIX}{lifeline.driver_pid()}"
 
 
 # The save jobs' ranks are forked from one server process per worker, started on first use with
