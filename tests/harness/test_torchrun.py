@@ -254,3 +254,22 @@ def test_world_sizes_must_match_the_launched_world(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "--world-sizes: 1,2 asked for, but this job has WORLD_SIZE=4 ranks" in proc.stderr
     assert "pass --world-sizes 4 or drop it" in proc.stderr
+
+
+def test_launched_sizes_count_this_nodes_ranks_for_the_device(monkeypatch):
+    """The one world size is $WORLD_SIZE; the automatic device compares the node's GPUs with its
+    own ranks ($LOCAL_WORLD_SIZE), not the job's; an explicit device needs a GPU per local rank."""
+    from conformance import devices, options
+    from conformance.runner.inprocess import launched_sizes
+
+    monkeypatch.setattr(devices, "accelerator_count", lambda kind: 2 if kind == "cuda" else 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 ranks, 2 GPUs per node
+    assert launched_sizes(None, None, None) == ([4], {4: ("cuda", "nccl")})
+    assert launched_sizes("4", "cuda", None) == ([4], {4: ("cuda", "nccl")})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 1 node x 4 ranks on 2 GPUs
+    assert launched_sizes(None, None, None) == ([4], {4: ("cpu", "gloo")})
+    with pytest.raises(options.UsageError, match="4 ranks on this node .* need 4 cuda devices"):
+        launched_sizes(None, "cuda", None)
+    with pytest.raises(options.UsageError, match="2,4 asked for, but this job has WORLD_SIZE=4"):
+        launched_sizes("2,4", None, None)
