@@ -167,7 +167,8 @@ class _Recorder:
         watch = self.watch
         kind = type(value)
         if kind in watch.enums:
-            self.note(f"{watch.enums[kind]}.{value.name}")
+            if not value.name.startswith("_"):  # a private member is no entry
+                self.note(f"{watch.enums[kind]}.{value.name}")
             return
         known = watch.objects.get(id(value))
         if known is not None and known[1] is value:

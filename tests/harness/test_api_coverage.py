@@ -211,6 +211,31 @@ def test_cli_only_write_merges_into_the_snapshot(tmp_path, monkeypatch, capsys):
     assert written["merged"] == ["new"]
 
 
+def test_recorder_scans_passed_members_policies_and_configs():
+    """What an argument passes: public enum members (a private one is no entry), a policy
+    function, a ``functools.partial`` of one with its non-default keywords, a config instance's
+    non-default fields; one level into a list."""
+    import functools
+
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp import wrap
+
+    recorder = trace._Recorder(trace._Watch())
+    recorder.scan(fsdp.ShardingStrategy.NO_SHARD)
+    recorder.scan(fsdp.ShardingStrategy._HYBRID_SHARD_ZERO2)
+    recorder.scan([wrap.always_wrap_policy])
+    recorder.scan(functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=5))
+    recorder.scan(fsdp.FullStateDictConfig(rank0_only=True))
+    assert recorder.seen == {
+        "fsdp.ShardingStrategy.NO_SHARD": set(),
+        "fsdp.wrap.always_wrap_policy": set(),
+        "fsdp.wrap.size_based_auto_wrap_policy": set(),
+        "fsdp.wrap.size_based_auto_wrap_policy(min_num_params=)": {"5"},
+        "fsdp.FullStateDictConfig": set(),
+        "fsdp.FullStateDictConfig.rank0_only": {"True"},
+    }, recorder.seen
+
+
 @pytest.fixture(scope="module")
 def tiny_trace():
     return trace.run_trace(
