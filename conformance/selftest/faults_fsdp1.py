@@ -830,3 +830,21 @@ fault(
     "upstream: optim_state_dict_to_load resets Adam's step count to 0 (the loaded optimizer "
     "redoes the bias correction of a first step)",
 )(wrap(after=_drop_step))
+
+
+def _rank0_only_ignored(original):
+    def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+        # the bug: the full optimizer state is materialized on every rank
+        return original(model, optim, optim_input, rank0_only=False, group=group)
+
+    return full_optim_state_dict
+
+
+fault(
+    "t1-full-optim-rank0-only-ignored",
+    "torch-fsdp1",
+    "S26",
+    "state_dict",
+    f"{TORCH}:FullyShardedDataParallel.full_optim_state_dict",
+    "upstream: full_optim_state_dict(rank0_only=True) gives the full state on every rank",
+)(_rank0_only_ignored)

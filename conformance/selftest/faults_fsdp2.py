@@ -786,3 +786,20 @@ fault(
     "upstream DSD: get_optimizer_state_dict(full_state_dict=True) leaves each rank's chunk of "
     "exp_avg / exp_avg_sq instead of the full tensors",
 )(wrap(after=_optim_full_left_local))
+
+
+def _frozen_kept(info, *args, **kwargs):
+    info.ignore_frozen_params = (
+        False  # the bug: StateDictOptions(ignore_frozen_params=True) ignored
+    )
+    return info
+
+
+fault(
+    "t2-dsd-ignore-frozen-ignored",
+    "torch-fsdp2",
+    "P27",
+    "fsdp2_state_dict",
+    f"{DSD}:_verify_options",
+    "upstream DSD: StateDictOptions(ignore_frozen_params=True) still saves frozen parameters",
+)(wrap(after=_frozen_kept))

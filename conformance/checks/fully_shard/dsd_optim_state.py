@@ -116,7 +116,7 @@ GET_CASES = {
 }
 
 
-@check(area="fsdp2_state_dict", requires=REQUIRES, cases=GET_CASES, world_sizes=(2, 4))
+@check(area="fsdp2_state_dict", requires=REQUIRES, cases=GET_CASES, world_sizes=(2,))
 def dsd_optim_get(ctx, full, cpu_offload):
     """P29: after two Adam steps ``get_optimizer_state_dict`` keys the state by FQN, ``step``
     equals the unsharded optimizer's, and ``exp_avg`` / ``exp_avg_sq`` are DTensors of this
@@ -144,27 +144,54 @@ LOAD_CASES = {
     "sharded": {"full": False, "broadcast": False},
     "full": {"full": True, "broadcast": False},
     "full-broadcast": {"full": True, "broadcast": True},
+    "sharded-flatten": {"full": False, "broadcast": False, "flatten": True},
 }
 
 
+def _assert_flat_keys(ctx, osd, oracle):
+    """``flatten_optimizer_state_dict=True``: one key per state entry, ``state.<fqn>.<name>``,
+    and per parameter ``param_groups.<fqn>.<option>`` (e.g. ``lr``)."""
+    for name, _ in oracle.named_parameters():
+        for key in ("step", *STATE_TOL):
+            assert f"state.{name}.{key}" in osd, (
+                f"{ctx.where()} flattened optimizer state dict lacks 'state.{name}.{key}' "
+                f"(keys {sorted(osd)[:6]}...)"
+            )
+        assert osd.get(f"param_groups.{name}.lr") == 1e-2, (
+            f"{ctx.where()} flattened optimizer state dict: 'param_groups.{name}.lr' is "
+            f"{osd.get(f'param_groups.{name}.lr')!r}, expected 0.01"
+        )
+    assert "state" not in osd and "param_groups" not in osd, (
+        f"{ctx.where()} flattened optimizer state dict still has nested 'state' / 'param_groups'"
+    )
+
+
 @check(area="fsdp2_state_dict", requires=REQUIRES, cases=LOAD_CASES, world_sizes=(2, 4))
-def dsd_optim_load_then_step(ctx, full, broadcast):
+def dsd_optim_load_then_step(ctx, full, broadcast, flatten=False):
     """P29/P28: the model and optimizer state of the trained sharded model (``get_state_dict``;
     under ``broadcast_from_rank0`` taken with ``cpu_offload`` so only rank 0 holds it, and the
     others pass ``{}``), loaded with ``set_state_dict`` into a freshly built sharded model with a
     fresh Adam, holds the unsharded optimizer's state (read back sharded), and one more step on
-    both gives the unsharded model's parameters after three steps."""
+    both gives the unsharded model's parameters after three steps. With
+    ``flatten_optimizer_state_dict=True`` the dict is flat (``state.<fqn>.<name>``,
+    ``param_groups.<fqn>.<option>``) and loads back with the same option."""
     dsd = _dsd()
     oracle, oopt, model, opt = _trained(ctx)
-    get_opts = dsd.StateDictOptions(full_state_dict=full, cpu_offload=broadcast)
+    get_opts = dsd.StateDictOptions(
+        full_state_dict=full, cpu_offload=broadcast, flatten_optimizer_state_dict=flatten
+    )
     msd, osd = dsd.get_state_dict(model, opt, options=get_opts)
+    if flatten:
+        _assert_flat_keys(ctx, osd, oracle)
     if broadcast and ctx.rank != 0:
         assert msd == {} and osd == {}, (
             f"{ctx.where()} full + cpu_offload: expected {{}} on this rank, got {sorted(msd)}"
         )
     fresh = ctx.impl.shard(Net(3).to(ctx.device), ctx, plan=PLAN)
     fopt = _adam(fresh.parameters())
-    set_opts = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=broadcast)
+    set_opts = dsd.StateDictOptions(
+        full_state_dict=full, broadcast_from_rank0=broadcast, flatten_optimizer_state_dict=flatten
+    )
     if broadcast:  # model first, then optimizer (one set_state_dict call: see SPEC P29)
         dsd.set_model_state_dict(fresh, msd, options=set_opts)
         dsd.set_optimizer_state_dict(fresh, fopt, osd, options=set_opts)

@@ -226,3 +226,54 @@ def dsd_load_strict_false(ctx, broadcast):
         raise AssertionError(
             f"{ctx.where()} strict=True accepted a dict without {MISSING}; expected RuntimeError"
         )
+
+
+@check(area="fsdp2_state_dict", requires=REQUIRES, world_sizes=(2,))
+def dsd_get_ignore_frozen_params(ctx):
+    """P27: with ``lin1.bias`` frozen (``requires_grad=False``), ``get_model_state_dict`` with
+    ``ignore_frozen_params=True`` leaves it out and keeps every other key (values: this rank's
+    chunks); without the option it is there."""
+    dsd = _dsd()
+    model = Net(1).to(ctx.device)
+    model.lin1.bias.requires_grad_(False)
+    model = ctx.impl.shard(model, ctx, plan=PLAN)
+    plain = _plain(1)
+    for ignore in (True, False):
+        opts = dsd.StateDictOptions(ignore_frozen_params=ignore)
+        sd = dsd.get_model_state_dict(model, options=opts)
+        expected = sorted(k for k in plain if not (ignore and k == "lin1.bias"))
+        assert sorted(sd) == expected, (
+            f"{ctx.where()} ignore_frozen_params={ignore}: keys {sorted(sd)}, expected {expected}"
+        )
+        for fqn, value in sd.items():
+            want = chunk_of(plain[fqn], 0, ctx.world_size, ctx.rank)
+            assert torch.equal(value.to_local().detach().cpu(), want), (
+                f"{ctx.where()} ignore_frozen_params={ignore} {fqn}: not this rank's chunk"
+            )
+
+
+@check(area="fsdp2_state_dict", requires=REQUIRES, world_sizes=(2,))
+def dsd_get_submodules(ctx):
+    """P27: ``get_model_state_dict(model, submodules={model.lin2})`` (deprecated, with a
+    FutureWarning) holds only ``lin2``'s entries: under ``lin2.weight`` / ``lin2.bias`` with
+    ``keep_submodule_prefixes=True`` (the default), under ``weight`` / ``bias`` with False;
+    values are this rank's chunks of ``lin2``'s parameters."""
+    import warnings
+
+    dsd = _dsd()
+    model, plain = _sharded(ctx, 1), _plain(1)
+    for keep in (True, False):
+        opts = dsd.StateDictOptions(keep_submodule_prefixes=keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            sd = dsd.get_model_state_dict(model, submodules={model.lin2}, options=opts)
+        expected = {("lin2." if keep else "") + k: f"lin2.{k}" for k in ("weight", "bias")}
+        assert sorted(sd) == sorted(expected), (
+            f"{ctx.where()} submodules={{lin2}}, keep_submodule_prefixes={keep}: keys "
+            f"{sorted(sd)}, expected {sorted(expected)}"
+        )
+        for key, fqn in expected.items():
+            want = chunk_of(plain[fqn], 0, ctx.world_size, ctx.rank)
+            assert torch.equal(sd[key].to_local().detach().cpu(), want), (
+                f"{ctx.where()} submodules={{lin2}} {key}: not this rank's chunk of {fqn}"
+            )
