@@ -127,7 +127,10 @@ MUTATION_ENGINE = "cosmic-ray==8.7.0"
 def mutation(session: nox.Session) -> None:
     """A sampled mutation campaign on ``reference/`` (``conformance/mutation/``): cosmic-ray's
     operators mutate a private copy of the tree, the cases that execute each mutated statement run
-    against it. Resumable (rerun the same command), shardable (``--shard i/n`` then ``--merge``).
+    against it. ``-- --target torch`` mutates the installed torch's FSDP sources instead (a private
+    copy; in-memory code swaps on the ranks, never the installed files), judged against
+    torch-fsdp2 / torch-fsdp1. Resumable (rerun the same command), shardable (``--shard i/n`` then
+    ``--merge``).
     Writes ``reports/mutation.json`` / ``.md`` / ``mutation-gaps.md``. Arguments after ``--`` go to
     ``python -m conformance.mutation`` (``--sample``, ``--seed``, ``--shard``, ``--files``,
     ``--checks``, ``--world-sizes``, ``--ids``, ``--merge``; see its ``--help``)."""

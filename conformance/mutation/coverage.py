@@ -17,6 +17,11 @@ The map is cached under the campaign's work directory keyed by a hash of every `
 ``reference/`` and ``conformance/`` plus the world sizes; a change to either tree makes it stale and
 the next campaign traces again.
 
+For the torch target (``--target torch``) the trace run loads ``torch-fsdp2`` and ``torch-fsdp1``
+through :func:`torch_fsdp2` / :func:`torch_fsdp1` and records the lines of the torch target's
+files as the ranks import them (``torch/distributed/fsdp/**``, ``.../checkpoint/state_dict.py``),
+named relative to the directory torch is installed in (``torch/distributed/...``).
+
 In a mutant's run the same factories, given ``$FSDP_MUTATION_IMPORT`` (the mutated module), import
 that module while the adapter loads: a mutant that cannot be imported stops the run at start with
 the harness's load error (exit code 2), which the campaign counts as incompetent, never as killed.
@@ -25,6 +30,7 @@ the harness's load error (exit code 2), which the campaign counts as incompetent
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -36,21 +42,32 @@ TRACE_ENV = "FSDP_MUTATION_TRACE_DIR"
 IMPORT_ENV = "FSDP_MUTATION_IMPORT"
 
 
-def _reference_root() -> str:
+def _reference_roots() -> tuple[tuple[str, ...], str]:
+    """The traced path prefixes and the base their file names are relative to."""
     import reference
 
-    return str(Path(reference.__file__).resolve().parent) + os.sep
+    root = str(Path(reference.__file__).resolve().parent) + os.sep
+    return (root,), str(Path(root).parent) + os.sep
+
+
+def _torch_roots() -> tuple[tuple[str, ...], str]:
+    import torch
+
+    base = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep  # as torch was imported
+    dist = os.path.join(base, "torch", "distributed")
+    fsdp = os.path.join(dist, "fsdp") + os.sep
+    return (fsdp, os.path.join(dist, "checkpoint", "state_dict.py")), base
 
 
 @contextlib.contextmanager
-def _record_lines():
-    """Record ``(file, line)`` of every reference line run inside the block (this rank)."""
+def _record_lines(roots=_reference_roots):
+    """Record ``(file, line)`` of every line of the target's files run inside the block (this
+    rank); ``roots()`` gives the path prefixes and their base."""
     out_dir = os.environ.get(TRACE_ENV)
     if not out_dir:
         yield
         return
-    root = _reference_root()
-    base = str(Path(root).parent) + os.sep
+    root, base = roots()
     seen: set[tuple[str, int]] = set()
 
     def local(frame, event, arg):
@@ -82,14 +99,15 @@ def _record_lines():
         tmp.replace(path)  # the driver never sees a half-written file
 
 
-def _wrapped(builtin: str):
+def _wrapped(builtin: str, roots=_reference_roots):
     from conformance.adapters.registry import load_implementation
 
     module = os.environ.get(IMPORT_ENV)
     if module:
         importlib.import_module(module)  # an ImportError here is the mutant's incompetence
     impl = load_implementation(builtin)
-    impl.patched = _record_lines  # the runner's per-check hook (see the module's Note)
+    # the runner's per-check hook (see the module's Note)
+    impl.patched = functools.partial(_record_lines, roots)
     return impl
 
 
@@ -103,10 +121,29 @@ def reference_fsdp1():
     return _wrapped("reference-fsdp1")
 
 
+def torch_fsdp2():
+    """The built-in ``torch-fsdp2`` adapter, tracing the torch target's files."""
+    return _wrapped("torch-fsdp2", _torch_roots)
+
+
+def torch_fsdp1():
+    """The built-in ``torch-fsdp1`` adapter, tracing the torch target's files."""
+    return _wrapped("torch-fsdp1", _torch_roots)
+
+
 SPECS = {
     "reference": "conformance.mutation.coverage:reference",
     "reference-fsdp1": "conformance.mutation.coverage:reference_fsdp1",
 }
+TORCH_SPECS = {
+    "torch-fsdp2": "conformance.mutation.coverage:torch_fsdp2",
+    "torch-fsdp1": "conformance.mutation.coverage:torch_fsdp1",
+}
+
+
+def specs(target: str = "reference") -> dict[str, str]:
+    """implementation name -> the traced factory's spec, for the campaign's ``--target``."""
+    return TORCH_SPECS if target == "torch" else SPECS
 
 
 # --- the driver side: a pytest plugin (``-p conformance.mutation.coverage``) -----------------

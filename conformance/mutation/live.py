@@ -7,14 +7,19 @@ about 0.1 s per case). So the campaign runs a *batch* of mutants in one run, on 
 persistent process groups, each mutant as an implementation of its own, ``mutant-<n>``:
 
 * :class:`MutantAdapter` is the built-in adapter it mutates (``reference`` or
-  ``reference-fsdp1``) under that name, inheriting its expectations; its ``patched`` (entered by
+  ``reference-fsdp1``; for the torch target ``torch-fsdp2`` or ``torch-fsdp1``, whose module is
+  found by its qualified name in the imported torch) under that name, inheriting its expectations; its ``patched`` (entered by
   the runner around every check on every rank) replaces ``__code__`` of the one function whose
   body holds the mutated line with the code compiled from cosmic-ray's mutated source, and puts
   the original back when the check ends. Objects, closures and imports elsewhere keep pointing at
   the same function object, so the swap is seen everywhere, and nothing survives the check.
+  A mutant in a nested function (a closure, a hook made inside a method) is applied by swapping
+  the enclosing function's code: the nested function made by the next call is the mutant's.
 * Only a mutant inside a function body can be applied that way. One at module or class level, in
   a decorator or a default (run at import) is judged in a fresh run with the file rewritten
-  (:func:`conformance.mutation.run.judge`). So is a mutant whose swap is refused on a rank (the
+  (:func:`conformance.mutation.run.judge`; for the torch target the installed file stays as it
+  is and that one module is loaded from the mutant's text instead, see
+  ``overlay_site/sitecustomize.py``). So is a mutant whose swap is refused on a rank (the
   function was not found, or its free variables changed): the rank raises an error marked
   :data:`NOT_APPLIED`, which the campaign never counts as a kill.
 * The batch plugin (this module, ``-p conformance.mutation.live``) keeps each mutant's cases

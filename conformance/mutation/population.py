@@ -9,7 +9,14 @@ the triage file keys on :func:`fingerprint` instead, which survives edits elsewh
 
 Positions inside annotations are left out of the population (the reference uses
 ``from __future__ import annotations``; an annotation is never evaluated, so such a mutant is
-equivalent by construction).
+equivalent by construction; torch's FSDP files evaluate theirs once, at definition, where nothing
+the suite runs reads them).
+
+Two *targets* (``--target``): ``reference`` (``reference/``, the default) and ``torch``: the FSDP
+Python sources of the torch under test (:data:`TORCH_GROUPS`), read from its installed package into
+a private copy (:func:`copy_torch_sources`) whose relative paths (``torch/distributed/...``) are the
+mutants' files. The installed files are never written; see :mod:`conformance.mutation.live` and
+:mod:`conformance.mutation.overlay_site` for how a torch mutant is applied.
 """
 
 from __future__ import annotations
@@ -31,12 +38,117 @@ PARTS = {
 }
 PART_ORDER = ("FSDP2", "FSDP1 + hooks", "wrap")
 
+# [Note: torch file groups]
+# The torch target reports per group of files. Every FSDP Python file of the torch under test is
+# named here (a file a later torch adds stops the campaign with a message saying to add it):
+# FSDP2's runtime (state and hooks, the parameter group's unshard/reshard/reduce, the collectives,
+# and FSDPModule's methods in _fully_shard.py), FSDP2's construction (fully_shard's argument
+# handling, mesh/device setup, FSDPParam's sharding and its API types), FSDP1's runtime with its
+# flat parameter and the shared helpers, FSDP1's state dicts and optimizer state dicts with the
+# chunking helpers they use, the wrap policies, and DSD (torch.distributed.checkpoint.state_dict).
+_FSDP = "torch/distributed/fsdp/"
+TORCH_GROUPS = {
+    _FSDP + "_fully_shard/_fsdp_state.py": "FSDP2 runtime",
+    _FSDP + "_fully_shard/_fsdp_param_group.py": "FSDP2 runtime",
+    _FSDP + "_fully_shard/_fsdp_collectives.py": "FSDP2 runtime",
+    _FSDP + "_fully_shard/_fully_shard.py": "FSDP2 runtime",
+    _FSDP + "_fully_shard/__init__.py": "FSDP2 init/params",
+    _FSDP + "_fully_shard/_fsdp_init.py": "FSDP2 init/params",
+    _FSDP + "_fully_shard/_fsdp_param.py": "FSDP2 init/params",
+    _FSDP + "_fully_shard/_fsdp_api.py": "FSDP2 init/params",
+    _FSDP + "_fully_shard/_fsdp_common.py": "FSDP2 init/params",
+    _FSDP + "__init__.py": "FSDP1 runtime + flat param",
+    _FSDP + "api.py": "FSDP1 runtime + flat param",
+    _FSDP + "fully_sharded_data_parallel.py": "FSDP1 runtime + flat param",
+    _FSDP + "_flat_param.py": "FSDP1 runtime + flat param",
+    _FSDP + "_runtime_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_init_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_common_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_exec_order_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_limiter_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_traversal_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_unshard_param_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_debug_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_dynamo_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "_trace_utils.py": "FSDP1 runtime + flat param",
+    _FSDP + "sharded_grad_scaler.py": "FSDP1 runtime + flat param",
+    _FSDP + "_state_dict_utils.py": "FSDP1 state dicts + optim",
+    _FSDP + "_optim_utils.py": "FSDP1 state dicts + optim",
+    _FSDP + "_shard_utils.py": "FSDP1 state dicts + optim",
+    _FSDP + "_fsdp_extensions.py": "FSDP1 state dicts + optim",
+    _FSDP + "wrap.py": "wrap",
+    _FSDP + "_wrap_utils.py": "wrap",
+    "torch/distributed/checkpoint/state_dict.py": "DSD",
+}
+TORCH_GROUP_ORDER = (
+    "FSDP2 runtime",
+    "FSDP2 init/params",
+    "FSDP1 runtime + flat param",
+    "FSDP1 state dicts + optim",
+    "wrap",
+    "DSD",
+)
+TARGETS = ("reference", "torch")
+
+
+def part_order(target: str = "reference") -> tuple[str, ...]:
+    return TORCH_GROUP_ORDER if target == "torch" else PART_ORDER
+
+
+def target_of(file: str) -> str:
+    return "torch" if file.startswith("torch/") else "reference"
+
 
 def part_of(file: str) -> str:
+    if target_of(file) == "torch":
+        if file in TORCH_GROUPS:
+            return TORCH_GROUPS[file]
+        raise ValueError(f"{file}: in no file group of the torch target; add it to TORCH_GROUPS")
     for prefix, part in PARTS.items():
         if file.startswith(prefix):
             return part
     raise ValueError(f"{file}: not in any part of the reference; add it to PARTS")
+
+
+def module_of(file: str) -> str:
+    """``torch/distributed/fsdp/_flat_param.py`` -> ``torch.distributed.fsdp._flat_param``."""
+    return file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+
+
+def site_root() -> Path:
+    """The directory the torch under test is installed in (its ``torch/`` lives there); found
+    without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("mutation: --target torch: torch is not installed in this interpreter")
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def torch_files(root: Path) -> list[str]:
+    """The torch target's files under ``root`` (an installed site or a private copy of one)."""
+    fsdp = root / _FSDP
+    files = [
+        p.relative_to(root).as_posix() for p in fsdp.rglob("*.py") if "__pycache__" not in p.parts
+    ]
+    dsd = root / "torch/distributed/checkpoint/state_dict.py"
+    return sorted(files + ([dsd.relative_to(root).as_posix()] if dsd.exists() else []))
+
+
+def copy_torch_sources(dest: Path) -> Path:
+    """Copy the torch target's files from the installed torch into ``dest`` (replacing what was
+    there); only reads the installed files. Returns ``dest``."""
+    import shutil
+
+    site = site_root()
+    if dest.exists():
+        shutil.rmtree(dest)
+    for file in torch_files(site):
+        part_of(file)  # every file has a group (see [Note: torch file groups])
+        (dest / file).parent.mkdir(parents=True, exist_ok=True)
+        (dest / file).write_bytes((site / file).read_bytes())
+    return dest
 
 
 @dataclass(frozen=True)
@@ -113,8 +225,10 @@ def enumerate_file(root: Path, file: str) -> list[Mutant]:
     return mutants
 
 
-def population(root: Path) -> list[Mutant]:
-    return [m for f in reference_files(root) for m in enumerate_file(root, f)]
+def population(root: Path, target: str = "reference") -> list[Mutant]:
+    """Every mutant of the target's files under ``root`` (the tree copy, or the torch copy)."""
+    files = torch_files(root) if target == "torch" else reference_files(root)
+    return [m for f in files for m in enumerate_file(root, f)]
 
 
 def draw(mutants: list[Mutant], sample: int, seed: int) -> list[Mutant]:
@@ -242,7 +356,17 @@ def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Re
     imports it, so the file's own lines name one case per worker, not the cases that use what the
     module defines (an ``__all__``, a dataclass, a constant read by another file of the part). A
     case that ran no reference line at all can only depend on such definitions: it is selected
-    too (e.g. one that builds the FSDP1 configuration dataclasses, whose methods are generated)."""
+    too (e.g. one that builds the FSDP1 configuration dataclasses, whose methods are generated).
+    For the torch target, an import-time change selects the cases that ran a line of its file
+    (every case of the file's group when none did; see the comment in the body)."""
+    if where.import_time and target_of(file) == "torch":
+        # torch's modules are imported before any check runs (the harness imports FSDP), so no
+        # case's lines name them: the cases that use what the file defines are those that ran
+        # any of its lines, or, when none did (a dataclass whose methods are generated), every
+        # case of its group
+        same = [nodeid for nodeid, files in coverage.items() if files.get(file)]
+        if same:
+            return same
     if where.import_time:
         part = part_of(file)
         return [

@@ -27,6 +27,9 @@ at, keyed by the mutant's fingerprint (see :func:`conformance.mutation.populatio
     mutant = "..."
     by = "area::check[case]"
 
+Every entry names its ``target`` (``reference`` or ``torch``, see ``--target``; an entry without
+one is the reference's): a campaign reads only its own target's entries.
+
 A survivor is triaged when it has an entry of any kind; equivalent ones leave the score's M. A
 ``killed`` entry only matters for a session judged before that check existed (a rerun on the new
 tree kills the mutant outright).
@@ -42,7 +45,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from conformance.mutation import operators
-from conformance.mutation.population import PART_ORDER
+from conformance.mutation.population import TARGETS, part_order
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,8 +66,9 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, (centre - half) / denom), min(1.0, (centre + half) / denom)
 
 
-def load_triage(path: Path) -> dict[str, dict]:
-    """fingerprint -> entry (with ``kind``: equivalent / gap); a missing file is empty."""
+def load_triage(path: Path, target: str = "reference") -> dict[str, dict]:
+    """fingerprint -> entry (with ``kind``: equivalent / gap / killed) of the ``target``'s
+    entries; a missing file is empty."""
     if not path.exists():
         return {}
     data = tomllib.loads(path.read_text())
@@ -75,7 +79,14 @@ def load_triage(path: Path) -> dict[str, dict]:
                 raise SystemExit(
                     f"mutation: {path}: every [[{kind}]] needs a fingerprint and a {field}: {entry}"
                 )
-            entries[entry["fingerprint"]] = dict(entry, kind=kind)
+            mine = entry.get("target", "reference")
+            if mine not in TARGETS:
+                raise SystemExit(
+                    f"mutation: {path}: target {mine!r} of {entry['fingerprint']}: "
+                    f"expected one of {', '.join(TARGETS)}"
+                )
+            if mine == target:
+                entries[entry["fingerprint"]] = dict(entry, kind=kind)
     return entries
 
 
@@ -95,7 +106,7 @@ def _score(records: list[dict]) -> dict:
     }
 
 
-def summarise(records: list[dict], triage: dict[str, dict]) -> dict:
+def summarise(records: list[dict], triage: dict[str, dict], target: str = "reference") -> dict:
     for r in records:
         if r["status"] == "survived" and r["fingerprint"] in triage:
             r["triage"] = triage[r["fingerprint"]]
@@ -105,9 +116,14 @@ def summarise(records: list[dict], triage: dict[str, dict]) -> dict:
     survivors = [r for r in records if r["status"] == "survived"]
     by_part = {
         part: _score([r for r in records if r["part"] == part])
-        for part in PART_ORDER
+        for part in part_order(target)
         if any(r["part"] == part for r in records)
     }
+    classed: dict[str, dict[str, int]] = {}  # [Note: classed mutants]: class -> part -> count
+    for r in records:
+        if r["status"] == "classed":
+            per = classed.setdefault(r.get("class", r["note"]), {})
+            per[r["part"]] = per.get(r["part"], 0) + 1
     families = sorted({operators.operator_class(r["operator"]) for r in records})
     by_op = {
         f: _score([r for r in records if operators.operator_class(r["operator"]) == f])
@@ -119,6 +135,7 @@ def summarise(records: list[dict], triage: dict[str, dict]) -> dict:
         "counts": dict(counts),
         "survivors": survivors,
         "by_part": by_part,
+        "classed": classed,
         "by_operator": by_op,
         "median_s": round(statistics.median(timed), 1) if timed else None,
         "total_s": round(sum(r["seconds"] for r in records), 1),
@@ -150,12 +167,14 @@ def _survivor_entry(r: dict) -> dict:
 
 def write(records, *, drawn, missing, args, population, triage_path, reports_dir) -> str:
     """Write the three reports; return the final line (see the module's Note)."""
-    s = summarise(records, load_triage(triage_path))
+    target = getattr(args, "target", "reference")
+    s = summarise(records, load_triage(triage_path, target), target)
     survivors = [_survivor_entry(r) for r in s["survivors"]]
     triaged = sum(e["triage"] != "untriaged" for e in survivors)
     killed_since = sum(e["triage"].startswith("killed by") for e in survivors)
     c = s["counts"]
     data = {
+        "target": target,
         "sample": drawn,
         "seed": None if getattr(args, "draw_from", "") else args.seed,
         "drawn_from": getattr(args, "draw_from", "") or None,
@@ -166,6 +185,9 @@ def write(records, *, drawn, missing, args, population, triage_path, reports_dir
         "survived": c.get("survived", 0),
         "timeout": c.get("timeout", 0),
         "incompetent": c.get("incompetent", 0),
+        # not judged: changes a CPU run cannot observe by design (conformance/mutation/classes.py)
+        "classed": c.get("classed", 0),
+        "classed_by_class": s["classed"],
         "error": c.get("error", 0),
         "equivalent": sum(e["triage"].startswith("equivalent") for e in survivors),
         # verdicts taken over from an earlier session of the same draw (run.py --carry)
@@ -214,7 +236,7 @@ def _fmt(score: dict) -> str:
 
 def _markdown(d: dict, line: str) -> str:
     out = [
-        "# Mutation campaign",
+        "# Mutation campaign" + (f" (target {d['target']})" if d["target"] != "reference" else ""),
         "",
         (
             f"Sample {d['sample']} of {d['population']} mutants (seed {d['seed']}), world sizes "
@@ -231,7 +253,8 @@ def _markdown(d: dict, line: str) -> str:
         + f"; judged {d['judged']}, pending {d['pending']}.",
         "",
         f"killed {d['killed']}, timeout {d['timeout']}, survived {d['survived']} "
-        f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, error {d['error']}; "
+        f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, "
+        f"classed {d['classed']}, error {d['error']}; "
         f"median {d['median_s_per_mutant']} s per mutant run, {d['total_s']} s in all.",
         "",
         *(
@@ -254,6 +277,24 @@ def _markdown(d: dict, line: str) -> str:
         "|---|---|",
         *(f"| {p} | {_fmt(v)} |" for p, v in d["by_part"].items()),
         "",
+        *(
+            [
+                "Classed, not judged (a CPU run cannot observe them by design; "
+                "`conformance/mutation/classes.py`):",
+                "",
+                "| class | mutants | per part |",
+                "|---|---|---|",
+                *(
+                    f"| {k} | {sum(v.values())} | "
+                    + ", ".join(f"{p} {n}" for p, n in sorted(v.items()))
+                    + " |"
+                    for k, v in sorted(d["classed_by_class"].items())
+                ),
+                "",
+            ]
+            if d["classed"]
+            else []
+        ),
         "| operator family | score [95 % interval] |",
         "|---|---|",
         *(f"| {p} | {_fmt(v)} |" for p, v in d["by_operator"].items()),

@@ -14,10 +14,18 @@ The engine is cosmic-ray (its parso-based operators, narrowed and extended in
 5. merge every shard's session file of the same campaign into ``reports/mutation.{json,md}``
    (:mod:`.report`).
 
+``--target torch`` mutates the FSDP sources of the torch under test instead: they are read from
+the installed package into ``<work>/torch-src-*`` (never written where installed), the coverage map
+traces ``torch-fsdp2`` / ``torch-fsdp1``, a mutant in a function body is swapped in on the ranks
+(:mod:`.live`), any other runs in a fresh run that loads that one module from the mutant's text
+(``overlay_site/sitecustomize.py``), and mutants a CPU run cannot observe by design are classed,
+not judged (:mod:`.classes`).
+
 Verdicts: ``killed`` (a case failed), ``timeout`` (a case hit ``--check-timeout`` or the whole
 run its per-mutant timeout: a hang), ``survived`` (every selected case passed, or no case
 executes the mutated statement: ``note`` says which), ``incompetent`` (the mutated module does not
-compile or import), ``error`` (the harness itself failed; not scored, listed in the report).
+compile or import), ``error`` (the harness itself failed; not scored, listed in the report), ``classed`` (the torch
+target: not run, not scored; its class is counted).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from conformance.mutation import coverage, live, population, report
+from conformance.mutation import classes, coverage, live, population, report
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("reference", "conformance", "pyproject.toml")
@@ -51,6 +59,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "each mutated statement, score the suite. Resumable (rerun the same command); shardable "
         "(--shard i/n on several machines, then --merge with every shard's session file in the "
         "work directory).",
+    )
+    p.add_argument(
+        "--target",
+        choices=population.TARGETS,
+        default="reference",
+        help="what to mutate: reference (reference/, judged against reference / reference-fsdp1) "
+        "or torch (the FSDP sources of the torch under test, read into a private copy, judged "
+        "against torch-fsdp2 / torch-fsdp1; the installed files are never written)",
     )
     p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, help="mutants to draw (0: all)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the draw")
@@ -186,9 +202,9 @@ def copy_tree(dest: Path, rev: str = "") -> None:
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **extra)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)  # the copy, not the checkout, must provide conformance/reference
-    return env
+    return env | extra  # (the torch overlay sets PYTHONPATH to its sitecustomize's directory)
 
 
 def _run_reports(args, work: Path) -> Path:
@@ -243,10 +259,23 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int | No
         raise
 
 
-def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") -> dict:
+def source_hash(src: Path, target: str) -> str:
+    """A hash of the torch target's copied sources ('' for the reference: tree_hash covers it)."""
+    if target != "torch":
+        return ""
+    h = hashlib.sha256()
+    for file in population.torch_files(src):
+        h.update(file.encode() + b"\0" + (src / file).read_bytes())
+    return "-torch" + h.hexdigest()[:12]
+
+
+def measure_coverage(
+    tree: Path, work: Path, ws: list[int], checks: str = "", target: str = "reference", src=None
+) -> dict:
     """The coverage map and baseline of the unmutated tree (cached; see :mod:`.coverage`)."""
     digest = hashlib.sha256(checks.encode()).hexdigest()[:6]
-    key = tree_hash(tree) + "-ws" + "".join(map(str, ws)) + (f"-k{digest}" if checks else "")
+    key = tree_hash(tree) + source_hash(src or tree, target)
+    key += "-ws" + "".join(map(str, ws)) + (f"-k{digest}" if checks else "")
     cache = work / f"coverage-{key}.json"
     if cache.exists():
         return json.loads(cache.read_text()) | {"ws": ",".join(map(str, ws))}
@@ -259,7 +288,7 @@ def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") ->
         "-m",
         "conformance",
         "--impl",
-        ",".join(coverage.SPECS.values()),
+        ",".join(coverage.specs(target).values()),
         "--world-sizes",
         ",".join(map(str, ws)),
         "-p",
@@ -302,10 +331,25 @@ def measure_coverage(tree: Path, work: Path, ws: list[int], checks: str = "") ->
 _WS = re.compile(r"\[(.+?)-ws(\d+)(?:-|\])")
 
 
+def _overlay(args, work: Path, mutant, mutated: str) -> dict:
+    """The environment of a fresh run in which the torch mutant's module is loaded from a private
+    file (see [Note: the torch overlay] in ``overlay_site/sitecustomize.py``)."""
+    path = work / f"overlay-{args.shard_i}of{args.shard_n}" / mutant.file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(mutated)
+    site = Path(__file__).resolve().parent / "overlay_site"
+    return {
+        "PYTHONPATH": str(site),
+        "FSDP_MUTATION_OVERLAY_MODULE": population.module_of(mutant.file),
+        "FSDP_MUTATION_OVERLAY_FILE": str(path.resolve()),
+    }
+
+
 def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
-    """Write the mutant into ``tree``, run its cases in a fresh run (``-x``), restore the file."""
+    """Write the mutant into ``tree`` (the torch target: into an overlay, see :func:`_overlay`),
+    run its cases in a fresh run (``-x``), restore the file."""
     started = time.monotonic()
-    original = (tree / mutant.file).read_text()
+    original = (tree / mutant.file).read_text() if args.target == "reference" else ""
     record, mutated, cases = prep["record"] | {"run": "process"}, prep["mutated"], prep["cases"]
 
     def done(status: str, note: str = "", **extra) -> dict:
@@ -324,14 +368,25 @@ def judge(mutant, prep: dict, tree: Path, work: Path, cov: dict, args) -> dict:
     # a safety net for a hang outside any check (e.g. at import): a fresh run's start-up alone
     # takes 20-60 s on a loaded 2-core machine, so the budget starts well above that
     budget = args.timeout or 300 + 5 * sum(cov["duration"].get(n, 0.0) for n in cases)
-    module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-    cmd = _suite_command(args, work, tree, [coverage.SPECS[i] for i in impls], sizes, "-x", *cases)
-    path = tree / mutant.file
-    path.write_text(mutated)
-    try:
-        code, out = _run(cmd, tree, _env(**{coverage.IMPORT_ENV: module}), budget)
-    finally:
-        path.write_text(original)
+    module = population.module_of(mutant.file)
+    specs = coverage.specs(args.target)
+    cmd = _suite_command(args, work, tree, [specs[i] for i in impls], sizes, "-x", *cases)
+    if args.target == "torch":
+        env = _env(**_overlay(args, work, mutant, mutated))
+        # a module that does not import makes the conformance run fail before any adapter loads
+        # (the harness imports torch's FSDP itself): ask first, in a bare interpreter
+        check = [sys.executable, "-c", f"import torch.distributed.fsdp, {module}"]
+        code, out = _run(check, tree, env, 300)
+        if code != 0:
+            return done("incompetent", "does not import: " + _last_line(out))
+        code, out = _run(cmd, tree, env | {coverage.IMPORT_ENV: module}, budget)
+    else:
+        path = tree / mutant.file
+        path.write_text(mutated)
+        try:
+            code, out = _run(cmd, tree, _env(**{coverage.IMPORT_ENV: module}), budget)
+        finally:
+            path.write_text(original)
     record["cases"] = len(cases)
     if code is None:
         return done("timeout", f"the run passed its {budget:.0f} s budget")
@@ -367,11 +422,14 @@ def _kill_order(cases: list[str], duration: dict[str, float]) -> list[str]:
 # it survive unjudged ("no case executes the mutated statement").
 
 
-def prepare(mutant, tree: Path, cov: dict, fallback=None) -> dict:
+def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False) -> dict:
     """The mutant's record so far, its mutated text, its cases and how it can be run: ``live``
     (inside a function body: a code swap in a shared run, see :mod:`.live`), ``process`` (a
     fresh run with the file rewritten) or ``done`` (no run needed; ``status`` set).
-    ``fallback()``, when given, is the coverage map at the fallback world sizes (see the Note)."""
+    ``fallback()``, when given, is the coverage map at the fallback world sizes (see the Note).
+    ``tree`` holds the mutant's file (the torch target: the private copy of torch's sources);
+    ``classed``: a mutant :func:`classes.classify` names a class of is recorded ``classed``, not
+    run (the torch target, see [Note: classed mutants])."""
     original, mutated = population.mutated_source(tree, mutant)
     record = mutant.as_dict() | {
         "part": mutant.part,
@@ -386,6 +444,9 @@ def prepare(mutant, tree: Path, cov: dict, fallback=None) -> dict:
         compile(mutated, mutant.file, "exec")
     except SyntaxError as exc:
         return {"record": record | {"status": "incompetent", "note": f"does not compile: {exc}"}}
+    kind = classes.classify(original, mutant.line, mutant.operator) if classed else None
+    if kind:
+        return {"record": record | {"status": "classed", "class": kind, "note": kind}}
     where = population.reach(original, mutant.line)
     cases = population.select_cases(cov["lines"], mutant.file, where)
     if not cases and fallback is not None:
@@ -409,7 +470,7 @@ def judge_batch(batch: list, tree: Path, work: Path, cov: dict, args) -> list[di
     :mod:`.live`); a mutant the ranks could not swap in comes back with status ``retry``."""
     adapters, order, owner = {}, [], {}
     for mutant, prep in batch:
-        module = mutant.file[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+        module = population.module_of(mutant.file)
         by_impl: dict[str, list[str]] = {}
         for nodeid in prep["cases"]:
             by_impl.setdefault(_WS.search(nodeid).group(1), []).append(nodeid)
@@ -485,16 +546,20 @@ def _last_line(out: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> None:
+def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out, src=None) -> None:
     """Judge ``todo`` in order, appending each verdict to ``out`` as soon as it is known: live
-    mutants in batches of ``--batch`` (one shared run each), the others one run each."""
+    mutants in batches of ``--batch`` (one shared run each), the others one run each. ``src``
+    holds the mutated files (default ``tree``; the torch target: the copy of torch's sources)."""
+    src = src or tree
     count = [0]
     extra: list[dict] = []
 
     def fallback() -> dict:
         """The coverage map at the fallback world sizes, measured on first use."""
         if not extra:
-            extra.append(measure_coverage(tree, work, args.fallback_ws, args.checks))
+            extra.append(
+                measure_coverage(tree, work, args.fallback_ws, args.checks, args.target, src)
+            )
         return extra[0]
 
     widen = fallback if args.fallback_ws else None
@@ -532,7 +597,7 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out) -> No
         batch.clear()
 
     for mutant in todo:
-        prep = prepare(mutant, tree, cov, widen)
+        prep = prepare(mutant, src, cov, widen, classed=args.target == "torch")
         if "cases" not in prep:
             emit(prep["record"])
         elif prep["live"] and args.batch > 1:
@@ -618,12 +683,17 @@ def main(argv: list[str] | None = None) -> int:
     label = "merge" if args.merge else f"{args.shard_i}of{args.shard_n}"
     tree = work / f"tree-{label}"
     copy_tree(tree, args.tree_from)  # every mutant is written here, never into the checkout
-    everything = population.population(tree)
+    src = tree
+    if args.target == "torch":  # read from the installed torch, never written (see population)
+        src = population.copy_torch_sources(work / f"torch-src-{label}")
+    everything = population.population(src, args.target)
     if args.files:
         globs = [g.strip() for g in args.files.split(",") if g.strip()]
         everything = [m for m in everything if any(fnmatch.fnmatch(m.file, g) for g in globs)]
         if not everything:
-            raise SystemExit(f"mutation: --files {args.files!r} matches no mutant of reference/")
+            raise SystemExit(
+                f"mutation: --files {args.files!r} matches no mutant of the {args.target} target"
+            )
     drawn = population.draw(everything, args.sample, args.seed)
     if args.ids:
         wanted = {i.strip() for i in args.ids.split(",") if i.strip()}
@@ -634,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.draw_from:
         earlier = by_fingerprint(session_files(args.draw_from, "--draw-from"))
         kinds = {(r["file"], r["operator"]) for r in earlier.values()}
-        found = fingerprints(tree, [m for m in everything if (m.file, m.operator) in kinds])
+        found = fingerprints(src, [m for m in everything if (m.file, m.operator) in kinds])
         again = {m for f, m in found.items() if f in earlier}
         drawn = [m for m in everything if m in again]  # the population's order
         print(
@@ -647,10 +717,12 @@ def main(argv: list[str] | None = None) -> int:
     key = hashlib.sha256(
         (
             tree_hash(tree)
+            + source_hash(src, args.target)
             + ids
             + f"{args.sample}-{args.seed}-{args.world_sizes}-{args.ids}-{args.files}-{args.checks}"
             + f"-fb{args.fallback_ws}"
             + (f"-from:{args.draw_from}" if args.draw_from else "")
+            + ("" if args.target == "reference" else f"-target:{args.target}")
         ).encode()
     ).hexdigest()[:12]
     session = work / f"session-{key}-{args.shard_i}of{args.shard_n}.jsonl"
@@ -663,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         done = load_session(session_paths(work, key))  # any shard's verdicts count
         todo = [m for m in mine if m.id not in done]
         if args.carry:
-            todo = carry_over(session_files(args.carry, "--carry"), tree, todo, session)
+            todo = carry_over(session_files(args.carry, "--carry"), src, todo, session)
         print(
             f"mutation: population {len(everything)}, drawn {len(drawn)} "
             + (f"(from {args.draw_from}), " if args.draw_from else f"(seed {args.seed}), ")
@@ -671,9 +743,9 @@ def main(argv: list[str] | None = None) -> int:
             f"session {session.relative_to(ROOT) if session.is_relative_to(ROOT) else session}",
             flush=True,
         )
-        cov = measure_coverage(tree, work, args.ws, args.checks)
+        cov = measure_coverage(tree, work, args.ws, args.checks, args.target, src)
         with open(session, "a") as out:
-            run_campaign(todo, tree, work, cov, args, out)
+            run_campaign(todo, tree, work, cov, args, out, src)
     results = load_session(session_paths(work, key))
     missing = [m.id for m in drawn if m.id not in results]
     summary = report.write(

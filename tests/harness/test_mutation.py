@@ -298,3 +298,156 @@ def test_session_files_take_absolute_globs_and_name_a_missing_file(tmp_path):
     assert [p.name for p in found] == ["session-a-1of1.jsonl", "session-b-1of1.jsonl"]
     with pytest.raises(SystemExit, match="--carry .*: no such session file"):
         session_files(str(tmp_path / "nope.jsonl"), "--carry")
+
+
+# --- the torch target (``--target torch``) ------------------------------------------------
+
+
+def test_every_torch_fsdp_file_has_a_group():
+    """[Note: torch file groups]: each FSDP file of the installed torch is in one of the six
+    groups, and every group holds a file."""
+    files = population.torch_files(population.site_root())
+    assert "torch/distributed/checkpoint/state_dict.py" in files
+    assert any(f.startswith("torch/distributed/fsdp/_fully_shard/") for f in files)
+    groups = {population.part_of(f) for f in files}  # raises for a file in no group
+    assert groups == set(population.TORCH_GROUP_ORDER)
+
+
+CLASSED = """\
+import torch
+
+
+def f(device, stream, x, group):
+    if device.type == "cuda":
+        x = x.pin_memory()
+    if not torch.compiler.is_compiling():
+        y = x + 1
+    else:
+        y = x * 2
+    if device.type != "cuda":
+        z = x - 1
+    else:
+        z = x + 2
+    stream.wait_stream(torch.cuda.current_stream())
+    out = all_gather(x, group, stream)
+    msg = "expected a torch.cuda.FloatTensor"
+    logger.debug("step %s", x)
+    return out, msg, y, z
+
+
+@no_type_check
+def g():
+    pass
+"""
+
+
+def test_classifier_names_what_cpu_cannot_observe_and_judges_the_rest():
+    from conformance.mutation.classes import classify
+
+    def at(text, operator=""):
+        line = next(i for i, s in enumerate(CLASSED.splitlines(), 1) if s.strip() == text)
+        return classify(CLASSED, line, operator)
+
+    assert at("x = x.pin_memory()") == "cuda-only"  # the branch a CUDA test selects
+    assert at('if device.type == "cuda":') is None  # the test itself: CPU takes the other path
+    assert at("y = x + 1") is None  # eager runs this branch
+    assert at("y = x * 2") == "compile/tracing"  # the else of `if not is_compiling()`
+    assert at("z = x - 1") is None and at("z = x + 2") == "cuda-only"
+    assert at("stream.wait_stream(torch.cuda.current_stream())") == "stream/event"
+    assert at("out = all_gather(x, group, stream)") is None  # computes data: judged
+    assert at('msg = "expected a torch.cuda.FloatTensor"') is None  # a string is not a path
+    assert at('logger.debug("step %s", x)') == "debug/logging"
+    assert at("@no_type_check", "core/RemoveDecorator") == "typing-only"
+
+
+def test_the_torch_overlay_loads_one_module_from_a_private_file(tmp_path):
+    """[Note: the torch overlay]: with the overlay's environment, a fresh interpreter imports the
+    mutant's text for that module (a package keeps its installed search path)."""
+    site = population.site_root()
+    file = "torch/distributed/fsdp/_fully_shard/_fsdp_api.py"
+    private = tmp_path / "m.py"
+    private.write_text((site / file).read_text() + "\nOVERLAID = True\n")
+    env = {
+        **{k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"},
+        "PYTHONPATH": str(ROOT / "conformance" / "mutation" / "overlay_site"),
+        "FSDP_MUTATION_OVERLAY_MODULE": population.module_of(file),
+        "FSDP_MUTATION_OVERLAY_FILE": str(private),
+    }
+    code = (
+        "import torch.distributed.fsdp as f, torch.distributed.fsdp._fully_shard._fsdp_api as m; "
+        "print(m.OVERLAID, m.__file__, f.MixedPrecisionPolicy is m.MixedPrecisionPolicy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", str(private), "True"], out.stdout
+
+
+def _installed_state() -> dict[str, tuple[str, int]]:
+    """sha256 and mtime of every file of the torch target as installed."""
+    site = population.site_root()
+    state = {}
+    for file in population.torch_files(site):
+        path = site / file
+        state[file] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+    return state
+
+
+def test_tiny_torch_campaign_never_writes_site_packages(tmp_path):
+    """Three mutants of torch's FSDPParam (seed 4), judged against torch-fsdp2 by the dim-0
+    layout cases at world size 2 (on torch 2.13.0: one no case runs, two in function bodies
+    judged in one shared run by a code swap, one of them killed). The installed torch files
+    come out with the same contents and modification times; the verdicts and the per-group
+    report exist."""
+    before = _installed_state()
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance.mutation",
+        "--target",
+        "torch",
+        "--sample",
+        "3",
+        "--seed",
+        "4",
+        "--files",
+        "torch/distributed/fsdp/_fully_shard/_fsdp_param.py",
+        "--checks",
+        "layout and dim0",
+        "--world-sizes",
+        "2",
+        "--fallback-world-sizes",
+        "",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--reports-dir",
+        str(tmp_path),
+    ]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert _installed_state() == before, "the torch campaign wrote into the installed torch"
+    data = json.loads((tmp_path / "mutation.json").read_text())
+    assert data["target"] == "torch" and data["sample"] == 3 and data["pending"] == 0, data
+    assert data["error"] == 0 and data["judged"] == 3, data
+    assert data["killed"] >= 1, data  # FSDPParam's sharding arithmetic is seen by the layout
+    assert set(data["by_part"]) == {"FSDP2 init/params"}, data["by_part"]
+    (session,) = (tmp_path / "work").glob("session-*.jsonl")
+    records = [json.loads(line) for line in session.read_text().splitlines()]
+    assert all(r["file"].startswith("torch/distributed/fsdp/") for r in records), records
+    assert "live" in {r.get("run") for r in records}, records
+    md = (tmp_path / "mutation.md").read_text()
+    assert "# Mutation campaign (target torch)" in md and "| FSDP2 init/params |" in md
+
+
+def test_triage_entries_belong_to_one_target(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(
+        '[[gap]]\nfingerprint = "a"\nneeds = "x"\n\n'  # no target: the reference's
+        '[[equivalent]]\nfingerprint = "b"\ntarget = "torch"\nreason = "y"\n'
+    )
+    assert set(report.load_triage(path)) == {"a"}
+    assert set(report.load_triage(path, "torch")) == {"b"}
+    path.write_text('[[gap]]\nfingerprint = "a"\ntarget = "tourch"\nneeds = "x"\n')
+    with pytest.raises(SystemExit, match="target 'tourch' of a: expected one of reference, torch"):
+        report.load_triage(path)
