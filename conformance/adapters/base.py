@@ -124,7 +124,9 @@ PROMISES = {
     "`FullyShardedDataParallel.summon_full_params(...)` with upstream's options",
     HSDP_ALL_REDUCE: "`FSDPModule.set_requires_all_reduce(bool, recurse=)` on an HSDP module: "
     "off, a backward reduce-scatters but keeps the partial result inside FSDP (no sharded "
-    "`.grad`); the next backward with it on all-reduces that sum too",
+    "`.grad`); the next backward with it on all-reduces that sum too. And "
+    "`set_all_reduce_hook(hook)`: hook(reduced) runs on the unit's reduced gradient (after the "
+    "HSDP all-reduce, else after the reduce-scatter) before it lands in `.grad`",
     DCP_HELPERS: "the sharded model (and an optimizer over its parameters) works with "
     "`torch.distributed.checkpoint.state_dict`'s `get_/set_model_state_dict`, "
     "`get_/set_optimizer_state_dict` and `get_/set_state_dict` under every `StateDictOptions` "

@@ -803,3 +803,14 @@ fault(
     f"{DSD}:_verify_options",
     "upstream DSD: StateDictOptions(ignore_frozen_params=True) still saves frozen parameters",
 )(wrap(after=_frozen_kept))
+
+
+fault(
+    "t2-all-reduce-hook-ignored",
+    "torch-fsdp2",
+    "P26",
+    "training",
+    "torch.distributed.fsdp:FSDPModule.set_all_reduce_hook",
+    "upstream: set_all_reduce_hook(hook) is accepted but the hook never runs",
+    world_sizes=(2,),
+)(replace_with(lambda self, hook, *, stream=None: None))

@@ -174,3 +174,53 @@ def hsdp_all_reduce_per_module(ctx):
     model.out.set_requires_all_reduce(True, recurse=False)
     _backward(ctx, model, oracle, 1)
     _assert_owed(ctx, model, oracle, shard, "after the second backward (all-reduce on)")
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.HSDP_ALL_REDUCE},
+    cases={"hsdp": {"hsdp": True}, "1d": {"hsdp": False}},
+    world_sizes=(2, 4),
+)
+def all_reduce_hook(ctx, hsdp):
+    """P26: ``model.out.set_all_reduce_hook(hook)`` calls ``hook`` once per backward with
+    ``out``'s reduced gradient (on a (replicate, shard) mesh after the all-reduce, on a 1-D mesh
+    after the reduce-scatter; its ``ceil(d0/shard)``-row pieces of ``out.weight`` and ``out.bias``
+    flattened together) before it lands in ``.grad``: a hook that doubles it in place gives
+    ``out``'s parameters twice the oracle's chunks, while ``inp``'s unit (no hook) gets the
+    oracle's chunks."""
+    if hsdp:
+        model, oracle, shard = _setup(ctx, "nested")
+    else:
+        ctx.seed(0)
+        oracle = MLP().to(ctx.device)
+        model, shard = (
+            ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLANS["nested"]),
+            ctx.world_size,
+        )
+    seen = []
+
+    def hook(reduced):
+        seen.append(reduced.numel())
+        reduced.mul_(2)
+
+    model.out.set_all_reduce_hook(hook)
+    _backward(ctx, model, oracle, 0)
+    rows = -(-oracle.out.weight.shape[0] // shard)  # ceil(3 / shard) padded rows per rank
+    expected_numel = rows * oracle.out.weight.shape[1] + rows
+    assert seen == [expected_numel], (
+        f"{ctx.where()} the hook saw {seen} (numel per call), expected one call with out's "
+        f"{expected_numel}-element reduced gradient"
+    )
+    for name, param in model.named_parameters():
+        factor = 2.0 if name.startswith("out.") else 1.0
+        expected = factor * chunk_of(
+            oracle.get_parameter(name).grad, shard_dim(param), shard, ctx.rank % shard
+        )
+        assert_close(
+            ctx,
+            f"{name} sharded gradient with out's all-reduce hook doubling it (factor {factor})",
+            param.grad.to_local(),
+            expected,
+            FP32["grad"],
+        )
