@@ -117,7 +117,11 @@ class Entry:
 
     def matches(self, case_id: str) -> bool:
         pattern = ".*".join(re.escape(part) for part in self.prefix.split("*"))
-        return re.match(pattern, case_id) is not None
+        floor = _WS_FROM.search(pattern)  # "[ws2+": world size 2 and every larger one
+        if floor is not None:
+            pattern = pattern[: floor.start()] + r"\[ws(?P<ws>\d+)" + pattern[floor.end() :]
+        found = re.match(pattern, case_id)
+        return found is not None and (floor is None or int(found["ws"]) >= int(floor[1]))
 
     @property
     def pinned(self) -> bool:
@@ -185,6 +189,7 @@ class Expectations:
         return best
 
 
+_WS_FROM = re.compile(r"\\\[ws(\d+)\\\+")  # "[ws<N>+" in an escaped prefix
 _MARKER = re.compile(r"torch(?:[=!<>~]|\s*$)")
 
 

@@ -285,3 +285,14 @@ def test_inherit_adopts_one_upstream_entry_by_its_prefix(tmp_path):
         deviations.expectations_for(impl, "cpu", tmp_path)
     with pytest.raises(expectations.ExpectationsError, match="write 'inherit <implementation>"):
         expectations.parse_all("inherit torch-fsdp2\n", "f.txt")
+
+
+def test_ws_n_plus_matches_every_world_size_from_n():
+    """``[ws2+`` in a prefix is world size 2 and every larger one (issue 26: "every world size from
+    2"), ``[ws*`` every world size; the rest of the prefix still has to match."""
+    (from2,) = expectations.parse("layout::x[ws2+-zero raises=E r\n", "f.txt")
+    cases = {"x[ws1-zero]": False, "x[ws2-zero]": True, "x[ws4-zero-y]": True, "x[ws12-zero]": True}
+    got = {c: from2.matches("layout::" + c) for c in cases}
+    assert got == cases and not from2.matches("layout::x[ws3-one]"), got
+    (every,) = expectations.parse("layout::x[ws*-zero raises=E r\n", "f.txt")
+    assert every.matches("layout::x[ws1-zero]") and every.matches("layout::x[ws3-zero]")

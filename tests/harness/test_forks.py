@@ -39,11 +39,13 @@ def acme(monkeypatch):
     monkeypatch.syspath_prepend(str(FORKS))
 
 
-def _conformance(tmp_path, impls: str, world_sizes: str, *select: str):
-    """``python -m conformance`` with Acme on PYTHONPATH; (process, cases by id per impl)."""
+def _conformance(tmp_path, impls: str, world_sizes: str, *select: str, env=None):
+    """``python -m conformance`` with Acme (and Parax) on PYTHONPATH; (process, cases by id per
+    impl). ``env``: more environment variables."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(FORKS), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
     )
     reports = tmp_path / "reports"
     args = ["--impl", impls, "--world-sizes", world_sizes, "--reports-dir", str(reports), "-q"]
@@ -258,3 +260,39 @@ def test_adapter_attributes_are_validated_at_load():
         with pytest.raises(ImplementationLoadError, match=what):
             _validate("spec", cls())
     assert base.Implementation.inherits is None and base.Implementation.devices is None
+
+
+PARAX_EXPECTATIONS = FORKS / "parax_fsdp" / "expectations"
+
+
+def test_a_dtensor_fsdp_of_another_design_runs_the_matrix_clean(tmp_path):
+    """Parax (``tests/forks/parax_fsdp``: DTensor shards gathered through parametrizations,
+    reduce-scattered through functional collectives; not a fork of upstream) runs every check at
+    world size 2 with 0 unexpected failures: its expected failures are exactly the cases its own
+    expectations file lists. It guards issue 26's harness fixes: its reduce-scatters are seen
+    (point 1: every reduce_scatter_dtype case passes), its ``shard`` asserts that no option
+    reaches it undeclared (point 4), every not-supported case is worded one way (point 5), and
+    its parametrized names reach the checks only through ``clean_fqn``."""
+    run, cases = _conformance(
+        tmp_path,
+        "parax-fsdp",
+        "2",
+        "--expectations-dir",
+        str(PARAX_EXPECTATIONS),
+        env={"FSDP_CONFORMANCE_FUZZ_SHRINK_SECONDS": "0"},  # a failure is reported unshrunk
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    mine = {cid: c for (i, cid), c in cases.items() if i == "parax-fsdp"}
+    outcomes = {o: sum(c["outcome"] == o for c in mine.values()) for o in ("pass", "fail")}
+    assert outcomes["fail"] == 0 and outcomes["pass"] >= 100, outcomes
+    listed = expectations.load("parax-fsdp", "cpu", PARAX_EXPECTATIONS)
+    xfail = {cid for cid, c in mine.items() if c["outcome"] == "xfail"}
+    assert xfail and xfail == {cid for cid in mine if listed.match(cid)}, sorted(xfail)
+    rs = [c for cid, c in mine.items() if cid.startswith("mixed_precision::reduce_scatter_dtype")]
+    assert len(rs) == 9 and all(c["outcome"] == "pass" for c in rs), [c["outcome"] for c in rs]
+    for cid, c in mine.items():
+        if c["outcome"] == "not-supported":
+            first = c["message"].splitlines()[0]
+            assert first.startswith(
+                ("NotSupported: parax-fsdp does not declare ", "NotSupported: parax-fsdp: ")
+            ), (cid, first)
