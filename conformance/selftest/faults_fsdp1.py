@@ -848,3 +848,15 @@ fault(
     f"{TORCH}:FullyShardedDataParallel.full_optim_state_dict",
     "upstream: full_optim_state_dict(rank0_only=True) gives the full state on every rank",
 )(_rank0_only_ignored)
+
+
+# ----------------------------------------------------------------- forward input casts (R21)
+fault(
+    "t1-root-input-cast-ignored",
+    "torch-fsdp1",
+    "R21",
+    "mixed_precision",
+    f"{TORCH}:_root_cast_forward_input",
+    "upstream: MixedPrecision(cast_root_forward_inputs=True) is ignored: the root's inputs reach "
+    "it uncast",
+)(replace_with(lambda state, module, args, kwargs: (args, kwargs)))

@@ -85,13 +85,13 @@ def _cast_forward_inputs(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[An
 def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     """Gather this module's flat parameter, run the wrapped module on its views, reshard.
 
-    The root lazily initialises the tree and casts inputs when ``cast_root_forward_inputs``; a
-    non-root casts them when ``cast_forward_inputs``.
+    The root lazily initialises the tree; every module casts its inputs when
+    ``cast_forward_inputs``, and the root also when ``cast_root_forward_inputs``.
     """
     _lazy_init(state)
     mp = state.mixed_precision
     if mp is not None and mp.param_dtype is not None:
-        cast = mp.cast_root_forward_inputs if state._is_root else mp.cast_forward_inputs
+        cast = mp.cast_forward_inputs or (state._is_root and mp.cast_root_forward_inputs)
         if cast:
             args, kwargs = _cast_forward_inputs(mp.param_dtype, args, kwargs)
     handle = state._handle
