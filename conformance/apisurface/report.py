@@ -70,6 +70,17 @@ def load_allowlist(path: Path = UNCOVERED) -> list[str]:
     return ids
 
 
+def allowlist_notes(path: Path = UNCOVERED) -> dict[str, str]:
+    """entry id -> the comment after it in ``uncovered.txt`` (what a check of it would assert)."""
+    notes = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry, _, note = line.partition("#")
+            if entry.strip():
+                notes[entry.strip()] = note.strip()
+    return notes
+
+
 def snapshot_from_trace(data: dict) -> dict:
     """The checked-in form of a trace: per entry the checks (``area::name``) whose passing (or
     expected-failing) cases called or passed it, the implementations, a few values seen."""
@@ -198,11 +209,16 @@ def _checks_cell(checks: list[str], limit: int = 3) -> str:
     return shown + (f" +{len(checks) - limit}" if len(checks) > limit else "")
 
 
-def render_md(table: list[Row], s: dict, header: list[str]) -> str:
+def render_md(table: list[Row], s: dict, header: list[str], notes: dict | None = None) -> str:
     lines = ["# API coverage", "", *header, "", f"**{summary_line(s)}**", ""]
     uncovered = [r for r in table if r.status == "uncovered"]
+    notes = notes or {}
     if uncovered:
-        lines += ["## Uncovered", ""] + [f"- `{r.id}` ({r.kind})" for r in uncovered] + [""]
+        lines += ["## Uncovered", ""]
+        for r in uncovered:
+            note = notes.get(r.id)
+            lines.append(f"- `{r.id}` ({r.kind})" + (f": {note}" if note else ""))
+        lines.append("")
     lines += ["## Entries", "", "| entry | kind | status | checks / reason |", "|---|---|---|---|"]
     for r in table:
         if r.status == "covered":
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(doc, indent=1))
     else:
-        print(render_md(table, s, header), end="")
+        print(render_md(table, s, header, allowlist_notes()), end="")
     print(f"api-coverage: {summary_line(s)}", file=sys.stderr)
     return 1 if args.check and (s["uncovered"] or found) else 0
 
