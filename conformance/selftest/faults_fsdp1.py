@@ -860,3 +860,24 @@ fault(
     "upstream: MixedPrecision(cast_root_forward_inputs=True) is ignored: the root's inputs reach "
     "it uncast",
 )(replace_with(lambda state, module, args, kwargs: (args, kwargs)))
+
+
+# --------------------------------------------------- size policy's exclude_wrap_modules (W22)
+def _exclusion_ignored(original):
+    def size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, **kwargs):
+        kwargs.pop("exclude_wrap_modules", None)  # the bug: the default exclusions always apply
+        return original(module, recurse, nonwrapped_numel, **kwargs)
+
+    # the original reads its defaults off the module-level name (now this function)
+    size_based_auto_wrap_policy.__dict__.update(original.__dict__)
+    return size_based_auto_wrap_policy
+
+
+fault(
+    "tw-size-exclude-ignored",
+    "torch-fsdp1",
+    "W22",
+    "wrap",
+    f"{TORCH}:size_based_auto_wrap_policy",
+    "upstream: size_based_auto_wrap_policy ignores exclude_wrap_modules (default exclusions apply)",
+)(_exclusion_ignored)
