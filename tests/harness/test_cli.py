@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance.reporting import python_command
+
 ROOT = Path(__file__).resolve().parents[2]
 SELFCHECKS = "tests/harness/selfchecks"
 # The fake implementation on the harness self-test checks (instead of the real check areas).
@@ -91,10 +93,11 @@ def test_entry_point_plugin_of_an_installed_distribution(tmp_path):
     # the rerun line carries the distribution's directory (ROOT, the directory the run started
     # in, needs none) and reruns the case in an environment without PYTHONPATH
     repro = report["cases"][0]["repro"]
+    python = python_command()  # "python", or this interpreter's path when another one is first
     assert repro.startswith(
-        f"PYTHONPATH={(tmp_path / 'site').resolve()} python -m conformance --impl fake-vendor "
+        f"PYTHONPATH={(tmp_path / 'site').resolve()} {python} -m conformance --impl fake-vendor "
     ), repro
-    assert report["command"].startswith(f"PYTHONPATH={(tmp_path / 'site').resolve()} python -m")
+    assert report["command"].startswith(f"PYTHONPATH={(tmp_path / 'site').resolve()} {python} -m")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     again = subprocess.run(
         ["bash", "-c", f"{repro} --reports-dir {tmp_path / 'r2'}"],
@@ -181,7 +184,7 @@ def test_stale_entry_warned_and_reports_written(selftest_run):
     assert report["torch"] and report["wall_time_s"] > 0 and report["world_sizes"] == [2]
     for case in cases.values():  # a python -m run is rerun with python -m (not nox)
         assert case["repro"].startswith(
-            "python -m conformance --impl tests.harness.fake_impl:FakeImpl"
+            f"{python_command()} -m conformance --impl tests.harness.fake_impl:FakeImpl"
         ), case["repro"]
         assert case["nodeid"] in case["repro"]
     assert "FSDP conformance matrix" in proc.stdout and "selftest" in proc.stdout
