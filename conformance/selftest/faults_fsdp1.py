@@ -881,3 +881,21 @@ fault(
     f"{TORCH}:size_based_auto_wrap_policy",
     "upstream: size_based_auto_wrap_policy ignores exclude_wrap_modules (default exclusions apply)",
 )(_exclusion_ignored)
+
+
+def _process_group_ignored(original):
+    def __init__(self, module, process_group=None, *args, **kwargs):
+        return original(self, module, None, *args, **kwargs)  # the bug: always the world group
+
+    return __init__
+
+
+fault(
+    "t1-process-group-ignored",
+    "torch-fsdp1",
+    "R22",
+    "training",
+    f"{TORCH}:FullyShardedDataParallel.__init__",
+    "upstream: FullyShardedDataParallel(process_group=pg) shards over the default group instead",
+    world_sizes=(4,),
+)(_process_group_ignored)

@@ -1,5 +1,5 @@
 """Area "training", flat-parameter half: FSDP1's sharding strategies other than FULL_SHARD (R19,
-R20).
+R20) and sharding over a given ``process_group`` (R22).
 
 [Note: what each strategy keeps between forward and backward]
 A unit's flat parameter of N elements is split over the ranks of its *shard group*: all ranks
@@ -243,3 +243,37 @@ def _run(ctx, strategy):
         for name, ref in oracle.named_parameters():
             assert_close(ctx, f"{strategy} {name} after step {step}", got[name], ref, FP32["param"])
     _assert_layout(ctx, model, oracle, shards, "after two steps")
+
+
+_GROUPS: dict[int, list] = {}  # world size -> [group of ranks 0-1, group of ranks 2-3] (made once)
+
+
+@check(area="training", requires=REQUIRES, world_sizes=(4,))
+def process_group_subgroups(ctx):
+    """R22: ``FullyShardedDataParallel(..., process_group=pg)`` with the pairs {0, 1} and {2, 3}
+    as separate groups shards each unit over its pair only: rank r holds chunk ``r % 2`` of 2
+    (``ceil(N/2)`` elements), and each pair trains as its own data-parallel job: the flat shards
+    after two SGD steps are the chunks of an unsharded model trained on that pair's samples only
+    (the pairs' models differ from each other)."""
+    import torch.distributed as dist
+
+    if ctx.world_size not in _GROUPS:
+        _GROUPS[ctx.world_size] = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = _GROUPS[ctx.world_size][ctx.rank // 2]
+    ctx.seed(0)
+    oracle = Net().to(ctx.device)
+    kwargs = {"process_group": group}
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", kwargs), ("", kwargs)])
+    _assert_layout(ctx, model, oracle, 2, "after construction")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    pair = slice((ctx.rank // 2) * 2 * B, (ctx.rank // 2 + 1) * 2 * B)  # the pair's samples
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        x, y = _batch(ctx, step)
+        ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+        ((oracle(x[pair]) - y[pair]) ** 2).mean().backward()
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    _assert_layout(ctx, model, oracle, 2, "after two steps (vs the pair's own oracle)")
