@@ -60,7 +60,11 @@ def execute(
         value, status, detail = None, ERROR, traceback.format_exc()
     recycle = False
     if before is not None:  # see [Note: isolation between checks]
-        settled = isolation.settle(before, tuple(getattr(ctx.impl, "allowed_global_state", ())))
+        allowed = tuple(getattr(ctx.impl, "allowed_global_state", ()))
+        try:
+            settled = isolation.settle(before, allowed)
+        except Exception:  # noqa: BLE001 - state the check left that cannot even be compared
+            settled = isolation.Outcome([f"(not comparable)\n{traceback.format_exc()}"], True)
         recycle = settled.recycle
         if settled.leaks:
             status = ERROR

@@ -243,7 +243,7 @@ def _show(value) -> str:
 
 @dataclass
 class Outcome:
-    leaks: list[str]  # "label: before -> after", one per change reported
+    leaks: list[str]  # "<label> <before> -> <after>", one per change reported
     recycle: bool  # state that could not be put back: the worker must be restarted
 
     def message(self) -> str:

@@ -34,12 +34,25 @@ def leaks_global_state(ctx):
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+_ENTERED = []  # the inference-mode guard stays entered while this holds it
+
+
+@check(area=AREA)
+def leaves_inference_mode(ctx):
+    """Enters inference mode and never leaves it: the state cannot be put back from outside, so
+    the runner must report it and restart the group."""
+    mode = torch.inference_mode()
+    mode.__enter__()
+    _ENTERED.append(mode)
+
+
 @check(area=AREA, cases=TWICE)
 def needs_clean_state(ctx):
     """Passes only in a process whose global state is as a fresh worker's (whatever ran before)."""
     found = {
         "default dtype": torch.get_default_dtype(),
         "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
         "environment": os.environ.get(MARKER),
         "working directory": os.getcwd(),
         "global forward pre-hooks": len(torch.nn.modules.module._global_forward_pre_hooks),
@@ -49,6 +62,7 @@ def needs_clean_state(ctx):
     clean = {
         "default dtype": torch.float32,
         "grad mode": True,
+        "inference mode": False,
         "environment": None,
         "working directory": os.environ[START_DIR],
         "global forward pre-hooks": 0,
