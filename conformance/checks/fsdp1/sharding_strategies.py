@@ -245,9 +245,6 @@ def _run(ctx, strategy):
     _assert_layout(ctx, model, oracle, shards, "after two steps")
 
 
-_GROUPS: dict[int, list] = {}  # world size -> [group of ranks 0-1, group of ranks 2-3] (made once)
-
-
 @check(area="training", requires=REQUIRES, world_sizes=(4,))
 def process_group_subgroups(ctx):
     """R22: ``FullyShardedDataParallel(..., process_group=pg)`` with the pairs {0, 1} and {2, 3}
@@ -257,9 +254,8 @@ def process_group_subgroups(ctx):
     (the pairs' models differ from each other)."""
     import torch.distributed as dist
 
-    if ctx.world_size not in _GROUPS:
-        _GROUPS[ctx.world_size] = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    group = _GROUPS[ctx.world_size][ctx.rank // 2]
+    # made per call, every rank creating both (the runner releases a check's groups after it)
+    group = [dist.new_group([0, 1]), dist.new_group([2, 3])][ctx.rank // 2]
     ctx.seed(0)
     oracle = Net().to(ctx.device)
     kwargs = {"process_group": group}
