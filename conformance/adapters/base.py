@@ -399,15 +399,11 @@ OPTION_CAPABILITIES = {
     "use_orig_params": FLAT_PARAM,
     "ignored_modules": FLAT_PARAM,
 }
+# A plan entry's kwargs are upstream's own arguments (checked under auto-wrap and the API
+# capabilities); only the two the capability table promises per unit are checked on their own.
 PLAN_KWARG_CAPABILITIES = {
     "reshard_after_forward": RESHARD_AFTER_FORWARD,
     "mixed_precision": MIXED_PRECISION,
-    "mp_policy": MIXED_PRECISION,
-    "offload_policy": CPU_OFFLOAD,
-    "cpu_offload": CPU_OFFLOAD,
-    "shard_placement_fn": SHARD_PLACEMENT_FN,
-    "use_orig_params": FLAT_PARAM,
-    "ignored_modules": FLAT_PARAM,
 }
 
 
