@@ -13,7 +13,8 @@ changes (the innermost statement holding the mutated line, and the branches encl
 
 * ``cuda-only``: in the branch a test of a CUDA device selects (``device.type == "cuda"``,
   ``.is_cuda``, ``torch.cuda.*``, a list of accelerator types holding ``"cuda"``), or a statement
-  calling ``torch.cuda.*``;
+  calling ``torch.cuda.*``, or a ``torch.library.impl`` kernel registration for an accelerator's
+  dispatch key (``"XPU"``, ``"CUDA"``...);
 * ``stream/event``: a bare call of ``wait_stream`` / ``record_stream`` / ``wait_event`` /
   ``record_event`` / ``synchronize`` / ``wait`` on an event, or an assignment whose every target
   names a stream or an event;
@@ -47,6 +48,7 @@ STREAM_CALLS = {"wait_stream", "record_stream", "wait_event", "record_event", "s
 LOG_CALL = re.compile(
     r"^(logger|log|_logger)\.(debug|info)\(|_log_api_usage_once\(|^torch\._C\._log_api_usage"
 )
+ACCELERATOR_KEY = re.compile(r"""["'](CUDA|XPU|HPU|MTIA|PrivateUse1)["']""")
 TYPING_DECORATORS = re.compile(r"^(typing\.)?(no_type_check|overload|override|final)$")
 CLASSES = ("cuda-only", "stream/event", "compile/tracing", "debug/logging", "typing-only")
 
@@ -124,7 +126,10 @@ def _statement_class(stmt: ast.stmt, source: str) -> str | None:
 
 
 def _decorator_class(dec: ast.expr, source: str) -> str | None:
-    text = (_segment(source, dec) or "").split("(")[0].strip()
+    whole = _segment(source, dec) or ""
+    if ACCELERATOR_KEY.search(whole) and "library.impl" in whole:
+        return "cuda-only"  # a kernel registered for an accelerator's dispatch key
+    text = whole.split("(")[0].strip()
     if TYPING_DECORATORS.match(text):
         return "typing-only"
     if COMPILE.search(text) or text.endswith("disable_dynamo"):

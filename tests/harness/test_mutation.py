@@ -338,6 +338,11 @@ def f(device, stream, x, group):
 @no_type_check
 def g():
     pass
+
+
+@torch.library.impl(lib, "copy_", "XPU")
+def h():
+    pass
 """
 
 
@@ -358,6 +363,7 @@ def test_classifier_names_what_cpu_cannot_observe_and_judges_the_rest():
     assert at('msg = "expected a torch.cuda.FloatTensor"') is None  # a string is not a path
     assert at('logger.debug("step %s", x)') == "debug/logging"
     assert at("@no_type_check", "core/RemoveDecorator") == "typing-only"
+    assert at('@torch.library.impl(lib, "copy_", "XPU")', "core/RemoveDecorator") == "cuda-only"
 
 
 def test_the_torch_overlay_loads_one_module_from_a_private_file(tmp_path):
