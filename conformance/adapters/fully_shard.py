@@ -35,6 +35,7 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_API,
             base.HSDP_ALL_REDUCE,
             base.DCP_HELPERS,
+            base.FSDP2_FORWARD_METHOD,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -42,8 +42,9 @@ def _reference_fsdp2():
     from conformance.adapters.fully_shard import FullyShardAdapter
 
     impl = FullyShardAdapter("reference", name="reference", version=_reference_version())
-    # reference/_fully_shard leaves HSDP accumulation out (its package docstring; docs/adapters.md)
-    impl.capabilities = impl.capabilities - {base.HSDP_ALL_REDUCE}
+    # reference/_fully_shard leaves HSDP accumulation and forward-method registration out (its
+    # package docstring; docs/adapters.md)
+    impl.capabilities = impl.capabilities - {base.HSDP_ALL_REDUCE, base.FSDP2_FORWARD_METHOD}
     return impl
 
 

@@ -814,3 +814,13 @@ fault(
     "upstream: set_all_reduce_hook(hook) is accepted but the hook never runs",
     world_sizes=(2,),
 )(replace_with(lambda self, hook, *, stream=None: None))
+
+
+fault(
+    "t2-forward-method-not-registered",
+    "torch-fsdp2",
+    "P30",
+    "states",
+    "torch.distributed.fsdp:register_fsdp_forward_method",
+    "upstream: register_fsdp_forward_method does nothing (the method runs on sharded parameters)",
+)(replace_with(lambda module, method_name: None))

@@ -1,0 +1,86 @@
+"""Area "states": ``register_fsdp_forward_method`` (P30).
+
+[Note: a method other than forward]
+FSDP2 unshards a unit around ``forward`` only. ``register_fsdp_forward_method(module, name)`` wraps
+``module.<name>`` the same way: calling it (on a unit that is not inside another unit's forward)
+all-gathers the unit's parameters first, runs the method on the unsharded parameters and
+then treats them as after a forward (P2: a non-root unit with ``reshard_after_forward=True``
+reshards; the first unit called becomes the root and keeps them unsharded), and a backward through its output reduces
+the gradients as a forward's would. So ``model.enc.encode(x)`` returns the unsharded model's
+``enc.encode(x)``, the parameters are SHARDED DTensors again after it, and the sharded gradients
+after a backward are the oracle's chunks (every rank feeds the same batch here).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close, shard_dim
+from conformance.checks._shared.rows import chunk_of
+from conformance.registry import check
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def encode(self, x):
+        """Not forward: uses the parameters directly."""
+        return torch.tanh(nn.functional.linear(x, self.lin.weight, self.lin.bias)) * 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = Encoder()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+@check(
+    area="states",
+    requires={base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_FORWARD_METHOD},
+    world_sizes=(1, 2),
+)
+def registered_forward_method(ctx):
+    """P30: after ``register_fsdp_forward_method(model.enc, "encode")`` and one ordinary step
+    (so ``model`` is the root), a call of ``model.enc.encode(x)`` (not forward) returns the unsharded model's ``enc.encode(x)``, leaves
+    ``enc``'s parameters registered as sharded DTensors, and a backward through it gives them the
+    oracle's gradient chunks."""
+    from torch.distributed.tensor import DTensor
+
+    ctx.seed(0)
+    oracle = Net().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("enc", {}), ("", {})])
+    ctx.impl.ns.register_fsdp_forward_method(model.enc, "encode")
+    x = torch.randn(3, 4, device=ctx.device)
+    model(x).sum().backward()  # lazy init from the root: enc is a non-root unit (P2: reshards)
+    model.zero_grad(set_to_none=True)
+    out = model.enc.encode(x)
+    ref = oracle.enc.encode(x)
+    assert_close(ctx, "enc.encode(x) (vs the unsharded model's)", out, ref, FP32["loss"])
+    for name, param in model.enc.named_parameters():
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} enc.{name}: {type(param).__name__} after encode(), expected the "
+            "sharded DTensor registered again"
+        )
+    out.sum().backward()
+    ref.sum().backward()
+    for name, param in model.enc.named_parameters():
+        assert param.grad is not None, f"{ctx.where()} enc.{name}: no gradient after backward"
+        expected = chunk_of(
+            oracle.enc.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
+        )
+        assert_close(
+            ctx, f"enc.{name} sharded gradient", param.grad.to_local(), expected, FP32["grad"]
+        )
