@@ -132,7 +132,7 @@ def _decorator_class(dec: ast.expr, source: str) -> str | None:
     text = whole.split("(")[0].strip()
     if TYPING_DECORATORS.match(text):
         return "typing-only"
-    if COMPILE.search(text) or text.endswith("disable_dynamo"):
+    if COMPILE.search(text) or "disable_dynamo" in text or "dynamo_disable" in text:
         return "compile/tracing"
     return None
 

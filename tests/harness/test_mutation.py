@@ -343,6 +343,11 @@ def g():
 @torch.library.impl(lib, "copy_", "XPU")
 def h():
     pass
+
+
+@_dynamo_disable
+def k():
+    pass
 """
 
 
@@ -364,6 +369,7 @@ def test_classifier_names_what_cpu_cannot_observe_and_judges_the_rest():
     assert at('logger.debug("step %s", x)') == "debug/logging"
     assert at("@no_type_check", "core/RemoveDecorator") == "typing-only"
     assert at('@torch.library.impl(lib, "copy_", "XPU")', "core/RemoveDecorator") == "cuda-only"
+    assert at("@_dynamo_disable", "core/RemoveDecorator") == "compile/tracing"
 
 
 def test_the_torch_overlay_loads_one_module_from_a_private_file(tmp_path):
