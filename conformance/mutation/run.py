@@ -661,6 +661,14 @@ def carry_over(paths: list[Path], tree: Path, todo: list, session: Path) -> list
     return [m for m in todo if m.id not in taken]
 
 
+def _first_removed(diff: str) -> str | None:
+    """The first removed line of a unified diff, stripped (None when it removes nothing)."""
+    for line in diff.splitlines():
+        if line.startswith("-") and not line.startswith("---"):
+            return line[1:].strip()
+    return None
+
+
 def session_paths(work: Path, key: str) -> list[Path]:
     return sorted(work.glob(f"session-{key}-*.jsonl"))
 
@@ -703,8 +711,27 @@ def main(argv: list[str] | None = None) -> int:
         drawn = [m for m in everything if m.id in wanted]
     if args.draw_from:
         earlier = by_fingerprint(session_files(args.draw_from, "--draw-from"))
-        kinds = {(r["file"], r["operator"]) for r in earlier.values()}
-        found = fingerprints(src, [m for m in everything if (m.file, m.operator) in kinds])
+        # a fingerprint holds the first changed line's text, so only mutants at a line reading
+        # like an earlier mutant's first removed line can match: computing every mutant's
+        # fingerprint instead parses the file once per mutant (minutes for torch's 10,000)
+        kinds = {
+            (r["file"], r["operator"], _first_removed(r.get("diff", ""))) for r in earlier.values()
+        }
+        texts: dict[str, list[str]] = {}
+
+        def line_text(m) -> str:
+            lines = texts.setdefault(m.file, (src / m.file).read_text().splitlines())
+            return lines[m.line - 1].strip() if m.line <= len(lines) else ""
+
+        at = {(r["file"], r["operator"], r["line"]) for r in earlier.values()}  # unmoved ones
+        candidates = [
+            m
+            for m in everything
+            if (m.file, m.operator, m.line) in at
+            or (m.file, m.operator, line_text(m)) in kinds
+            or (m.file, m.operator, None) in kinds
+        ]
+        found = fingerprints(src, candidates)
         again = {m for f, m in found.items() if f in earlier}
         drawn = [m for m in everything if m in again]  # the population's order
         print(
