@@ -655,7 +655,14 @@ class CheckItem(pytest.Item):
 
 def _failure(entry, results) -> CheckFailure:
     """ExpectedFailure when ``entry`` lists the case and its signature fits, else CheckFailure."""
-    text = _format_failure(results)
+    return judged(entry, results, _format_failure(results))
+
+
+def judged(entry, results, text: str) -> CheckFailure:
+    """The failure ``text`` of a case judged by its expectation ``entry`` (fuzz cases too,
+    ``conformance.fuzz.item``): :class:`ExpectedFailure` (reported xfail) when the entry's
+    signature fits the rank results, a plain failure naming the entry and what did not match when
+    it does not, a plain failure without an entry."""
     if entry is None:
         return CheckFailure(text)
     why_not = entry.mismatch(expectations.failures(results))

@@ -13,11 +13,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis.errors import Flaky, Unsatisfiable
 
-from conformance import expectations
 from conformance.adapters.base import NotSupported, not_supported_reason
 from conformance.fuzz import dropped, repro
 from conformance.fuzz.strategies import examples
-from conformance.plugin import CheckFailure, CheckItem, ExpectedFailure, _format_failure, _session
+from conformance.plugin import CheckFailure, CheckItem, _format_failure, _session, judged
 from conformance.runner import protocol
 from conformance.runner.protocol import Task
 
@@ -181,22 +180,6 @@ class FuzzItem(CheckItem):
             )
             + f"Standalone reproducer (save as repro.py, run `python repro.py`):\n\n{script}",
         )
-
-
-def judged(entry, results, text: str) -> CheckFailure:
-    """A failed fuzz case judged as a hand-written one is (:func:`conformance.plugin._failure`):
-    :class:`ExpectedFailure` (reported xfail) when its expectation entry's signature fits the
-    failing example's rank results, a plain failure naming the entry and what did not match when
-    it does not, a plain failure without an entry."""
-    if entry is None:
-        return CheckFailure(text)
-    why_not = entry.mismatch(expectations.failures(results))
-    if why_not is None:
-        return ExpectedFailure(text)
-    return CheckFailure(
-        f"listed in {entry.source} as {entry.prefix} {entry.signature()}, but failed "
-        f"differently: {why_not}\n{text}"
-    )
 
 
 def counts_line(stats, budget: int, shrink_for: float) -> str:
