@@ -26,15 +26,14 @@ import copy
 import torch
 
 from conformance.adapters import base
+from conformance.checks._shared.optim_state import STATE_TOL, assert_state
 from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.state_dict import PLAN, Net
 from conformance.registry import check
 
 REQUIRES = {base.DCP_HELPERS, base.DTENSOR_PARAMS, base.FSDP2_API, base.TRAINING}
 B = 2
 STEPS = 2
-STATE_TOL = {"exp_avg": FP32["grad"], "exp_avg_sq": dict(rtol=1e-4, atol=1e-10)}
 
 
 def _dsd():
@@ -75,38 +74,18 @@ def _trained(ctx):
 
 
 def _assert_state(ctx, osd, oracle, oopt, full, what):
-    """``osd`` holds the oracle optimizer's state under FQNs: full tensors or this rank's chunks."""
+    """``osd`` holds the oracle optimizer's state under FQNs: full tensors or, sharded, DTensors
+    of this rank's chunks."""
     from torch.distributed.tensor import DTensor
 
-    names = [n for n, _ in oracle.named_parameters()]
-    assert sorted(osd.get("state", {})) == sorted(names), (
-        f"{ctx.where()} {what}: state keys {sorted(osd.get('state', {}))}, expected the FQNs "
-        f"{sorted(names)}"
-    )
-    group_params = [p for g in osd["param_groups"] for p in g["params"]]
-    assert sorted(group_params) == sorted(names), (
-        f"{ctx.where()} {what}: param_groups list {group_params}, expected the FQNs {names}"
-    )
-    for name, param in oracle.named_parameters():
-        mine, want = osd["state"][name], oopt.state[param]
-        assert float(mine["step"]) == float(want["step"]), (
-            f"{ctx.where()} {what} {name}: step {mine['step']}, expected {want['step']}"
+    def local_piece(name, key, value, _full_value):
+        assert isinstance(value, DTensor), (
+            f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a "
+            "DTensor of this rank's chunk"
         )
-        for key, tol in STATE_TOL.items():
-            value = mine[key]
-            if full:
-                assert not isinstance(value, DTensor), (
-                    f"{ctx.where()} {what} {name}.{key}: a DTensor, expected a plain full tensor"
-                )
-                expected = want[key]
-            else:
-                assert isinstance(value, DTensor), (
-                    f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a "
-                    "DTensor of this rank's chunk"
-                )
-                value = value.to_local()
-                expected = chunk_of(want[key], 0, ctx.world_size, ctx.rank)
-            assert_close(ctx, f"{what} {name}.{key}", value, expected, tol)
+        return value.to_local()
+
+    assert_state(ctx, osd, oracle, oopt, full, what, local_piece)
 
 
 GET_CASES = {

@@ -28,15 +28,15 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.optim_state import assert_state
 from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks._shared.rows import chunk_of, chunk_size
+from conformance.checks._shared.rows import chunk_size
 from conformance.checks._shared.sd_models import AREA, full_params
 from conformance.registry import check
 
 REQUIRES = {base.FSDP1_OPTIM_STATE_DICT, base.FSDP1_API, base.FLAT_PARAM, base.TRAINING}
 B = 2
 STEPS = 2
-STATE_TOL = {"exp_avg": FP32["grad"], "exp_avg_sq": dict(rtol=1e-4, atol=1e-10)}
 PLAN = [("inner", {}), ("", {})]
 
 
@@ -114,42 +114,16 @@ def _local_piece(ctx, name, key, value, rows):
 
 
 def _assert_state(ctx, osd, oracle, oopt, full, what):
-    names = [n for n, _ in oracle.named_parameters()]
-    assert sorted(osd.get("state", {})) == sorted(names), (
-        f"{ctx.where()} {what}: state keys {sorted(osd.get('state', {}))}, expected the FQNs "
-        f"{sorted(names)}"
-    )
-    listed = [p for g in osd["param_groups"] for p in g["params"]]
-    assert sorted(listed) == sorted(names), (
-        f"{ctx.where()} {what}: param_groups list {listed}, expected the FQNs {names}"
-    )
-    for name, param in oracle.named_parameters():
-        mine, want = osd["state"][name], oopt.state[param]
-        assert float(mine["step"]) == float(want["step"]), (
-            f"{ctx.where()} {what} {name}: step {mine['step']}, expected {want['step']}"
+    """``osd`` holds the oracle optimizer's state under FQNs: full tensors or, sharded,
+    ShardedTensors of this rank's chunks at its row offset."""
+
+    def local_piece(name, key, value, full_value):
+        assert hasattr(value, "local_shards"), (
+            f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a ShardedTensor"
         )
-        for key, tol in STATE_TOL.items():
-            value = mine[key]
-            if full:
-                assert type(value) is torch.Tensor, (
-                    f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a "
-                    "plain full tensor"
-                )
-                assert_close(ctx, f"{what} {name}.{key}", value, want[key], tol)
-                continue
-            assert hasattr(value, "local_shards"), (
-                f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a "
-                "ShardedTensor"
-            )
-            expected = chunk_of(want[key], 0, ctx.world_size, ctx.rank)
-            local = _local_piece(ctx, name, key, value, want[key].shape[0])
-            if local is None:
-                assert expected.numel() == 0, (
-                    f"{ctx.where()} {what} {name}.{key}: no local shard, expected rows of "
-                    f"{tuple(expected.shape)}"
-                )
-                continue
-            assert_close(ctx, f"{what} {name}.{key} (this rank's chunk)", local, expected, tol)
+        return _local_piece(ctx, name, key, value, full_value.shape[0])
+
+    assert_state(ctx, osd, oracle, oopt, full, what, local_piece)
 
 
 CASES = {
