@@ -78,6 +78,19 @@ class Net(nn.Module):
 NET_PLAN = [("inner", {}), ("scale", {}), ("", {})]  # children first, root last
 
 
+class InnerHeadNet(nn.Module):
+    """inner Linear(4, 6) -> tanh -> head Linear(6, 3), for a two-unit plan (inner its own unit,
+    30 elements; the root's head, 21): head.bias (3,) leaves rank 3 without rows at world size 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)))
+
+
 class CheckpointedNet(nn.Module):
     """``Net``-like model whose ``inner`` is wrapped with ``checkpoint_wrapper`` (activation
     checkpointing) when ``wrap_ac``; its clean keys equal ``PlainNet``'s."""

@@ -31,28 +31,18 @@ import copy
 import math
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
 from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks._shared.sd_models import full_params
+from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.registry import check
 
 B = 2
 INNER_NUMEL = 4 * 6 + 6  # inner = Linear(4, 6)
 
 
-class Net(nn.Module):
-    """inner Linear(4, 6) (a unit of 30 elements) -> tanh -> head Linear(6, 3) (the root's 21)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = nn.Linear(4, 6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.inner(x)))
+Net = InnerHeadNet  # inner its own unit, head the root's (PLAN)
 
 
 class _Collectives(TorchDispatchMode):

@@ -25,13 +25,12 @@ import copy
 import warnings
 
 import torch
-from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.optim_state import assert_state
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.rows import chunk_size
-from conformance.checks._shared.sd_models import AREA, full_params
+from conformance.checks._shared.sd_models import AREA, InnerHeadNet, full_params
 from conformance.registry import check
 
 REQUIRES = {base.FSDP1_OPTIM_STATE_DICT, base.FSDP1_API, base.FLAT_PARAM, base.TRAINING}
@@ -40,17 +39,7 @@ STEPS = 2
 PLAN = [("inner", {}), ("", {})]
 
 
-class Net(nn.Module):
-    """inner Linear(4, 6) (its own unit) -> tanh -> head Linear(6, 3) (the root's); head.bias
-    (3,) leaves rank 3 without rows at world size 4."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = nn.Linear(4, 6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.inner(x)))
+Net = InnerHeadNet  # inner its own unit, head the root's (PLAN)
 
 
 def _step(ctx, model, opt, step, sharded=True):
