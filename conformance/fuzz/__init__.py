@@ -9,8 +9,8 @@ so no process is spawned per example. A failing example is shrunk the same way a
 standalone script (:mod:`conformance.fuzz.repro`) that spawns the ranks itself and fails with the
 same assertion; the script is also stored in the JSON report's case record (``repro_script``).
 
-Budget: by default every fuzz case draws :data:`conformance.fuzz.item.CI_EXAMPLES` examples with
-hypothesis derandomized (the same examples on every run; nothing written to a database);
+Budget: by default every fuzz case draws :func:`conformance.fuzz.item.default_budget` examples (8 at
+world sizes 1 and 2, 4 from 3 up) with hypothesis derandomized (the same examples on every run; nothing written to a database);
 ``--fuzz-examples N`` draws N random ones. Shrinking stops after
 :data:`conformance.fuzz.item.SHRINK_SECONDS`.
 
