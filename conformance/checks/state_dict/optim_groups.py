@@ -113,7 +113,7 @@ def _build(ctx, model_kind, orig_params):
     else:
         oracle = InnerHeadNet().to(ctx.device)
         plan, options = PLAN, {}
-        if orig_params:
+        if orig_params and model_kind == "groups":  # "frozen_later": frozen after the steps
             oracle.inner.weight.requires_grad_(False)
     model = copy.deepcopy(oracle)
     if model_kind == "ignored":
@@ -139,6 +139,16 @@ def _step(ctx, model, opt, step):
     opt.zero_grad()
 
 
+def _freeze_later(ctx, model, model_kind):
+    """``frozen_later``: ``inner.weight`` stops requiring grad once the optimizer holds it (its
+    state stays, in the unsharded optimizer too)."""
+    if model_kind != "frozen_later":
+        return
+    for name, p in model.named_parameters():
+        if ctx.impl.clean_fqn(name) == "inner.weight":
+            p.requires_grad_(False)
+
+
 def _trained(ctx, model_kind="groups", orig_params=False, count=True):
     oracle, model = _build(ctx, model_kind, orig_params)
     oopt = CountingAdam(_groups(oracle.named_parameters()), count)
@@ -146,6 +156,8 @@ def _trained(ctx, model_kind="groups", orig_params=False, count=True):
     for step in range(STEPS):
         _step(ctx, oracle, oopt, step)
         _step(ctx, model, opt, step)
+    _freeze_later(ctx, oracle, model_kind)
+    _freeze_later(ctx, model, model_kind)
     return oracle, oopt, model, opt
 
 
@@ -276,6 +288,7 @@ def _load_and_step(ctx, oracle, oopt, model, osd, kind, rank0_only, model_kind, 
     _, fresh = _build(ctx, model_kind, orig_params)
     ctx.impl.load_state_dict(fresh, msd, "full")
     fopt = CountingAdam(_groups(fresh.named_parameters()), oopt.count)
+    _freeze_later(ctx, fresh, model_kind)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with _context(ctx, fresh, kind, rank0_only):
@@ -311,44 +324,51 @@ CASES = {
     "full-orig_params": {"kind": "full", "rank0_only": False, "orig_params": True},
     "full-rank0_only-orig_params": {"kind": "full", "rank0_only": True, "orig_params": True},
     "sharded-orig_params": {"kind": "sharded", "rank0_only": False, "orig_params": True},
+    "full-orig_params-frozen_later": {
+        "kind": "full",
+        "rank0_only": False,
+        "orig_params": True,
+        "model_kind": "frozen_later",
+    },
 }
 
 
 @check(area=AREA, requires=REQUIRES, cases=CASES, world_sizes=(2,))
-def fsdp1_optim_groups_round_trip(ctx, kind, rank0_only, orig_params):
+def fsdp1_optim_groups_round_trip(ctx, kind, rank0_only, orig_params, model_kind="groups"):
     """S29/S30: after two steps of an Adam (counting its steps in a non-tensor ``seen``) with two
     param groups of different hyperparameters, ``optim_state_dict`` gives the unsharded
     optimizer's state (FULL: full tensors, ``rank0_only`` on rank 0 only; SHARDED: this rank's
     chunks) and param groups; with ``use_orig_params=True`` the frozen ``inner.weight`` has no
-    state and ``inner.bias`` after it has its own; loaded into a fresh model and optimizer the
+    state (frozen after the steps: the state it had) and ``inner.bias`` after it has its own; loaded into a fresh model and optimizer the
     state reads back equal and one more step gives the unsharded model's parameters."""
     # a non-tensor entry only without rank0_only: see [Note: rank0_only and non-tensor state]
-    oracle, oopt, model, opt = _trained(ctx, "groups", orig_params, count=not rank0_only)
+    oracle, oopt, model, opt = _trained(ctx, model_kind, orig_params, count=not rank0_only)
     osd = _osd(ctx, model, opt, kind, rank0_only, offload=False if kind == "full" else None)
     if rank0_only and ctx.rank != 0:
         assert not osd, f"{ctx.where()} rank0_only: expected {{}}, got keys {sorted(osd)}"
     else:
         _assert_osd(ctx, osd, oracle, oopt, kind == "full", f"optim_state_dict ({kind})")
-    _load_and_step(ctx, oracle, oopt, model, osd, kind, rank0_only, "groups", orig_params)
+    _load_and_step(ctx, oracle, oopt, model, osd, kind, rank0_only, model_kind, orig_params)
 
 
 MODEL_CASES = {
     "tied": {"model_kind": "tied", "kind": "full"},
     "tied-sharded": {"model_kind": "tied", "kind": "sharded"},
     "ignored": {"model_kind": "ignored", "kind": "full"},
+    "tied-orig_params": {"model_kind": "tied", "kind": "full", "orig_params": True},
 }
 
 
 @check(area=AREA, requires=REQUIRES, cases=MODEL_CASES, world_sizes=(2,))
-def fsdp1_optim_shared_and_ignored(ctx, model_kind, kind):
+def fsdp1_optim_shared_and_ignored(ctx, model_kind, kind, orig_params=False):
     """S31: a parameter with two FQNs (``TiedNet``'s ``shared_parameter is random_parameter``)
     has its state once, under one FQN, and a module FSDP ignores (``ignored_modules``) keeps its
     parameters' plain state; both load back through ``optim_state_dict_to_load`` (FULL and
     SHARDED) and one more step gives the unsharded model's parameters."""
-    oracle, oopt, model, opt = _trained(ctx, model_kind)
-    osd = _osd(ctx, model, opt, kind)
+    oracle, oopt, model, opt = _trained(ctx, model_kind, orig_params)
+    osd = _osd(ctx, model, opt, kind, offload=False if kind == "full" else None)
     _assert_osd(ctx, osd, oracle, oopt, kind == "full", f"optim_state_dict ({kind})")
-    _load_and_step(ctx, oracle, oopt, model, osd, kind, False, model_kind, False)
+    _load_and_step(ctx, oracle, oopt, model, osd, kind, False, model_kind, orig_params)
 
 
 @check(area=AREA, requires=REQUIRES, world_sizes=(2,))
