@@ -38,7 +38,7 @@ from torch import nn
 from conformance.adapters import base
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks._shared.sd_models import TiedNet
+from conformance.checks._shared.sd_models import SharedWeightNet
 from conformance.checks.fully_shard.dsd_optim_state import _assert_state
 from conformance.checks.fully_shard.state_dict import PLAN, Net
 from conformance.registry import check
@@ -190,12 +190,12 @@ def dsd_optim_submodules(ctx):
 
 @check(area=AREA, requires=REQUIRES, world_sizes=(2,))
 def dsd_optim_shared_param(ctx):
-    """P47: on a model with a shared module (``net3 is net2``) and a shared parameter
-    (``shared_parameter is random_parameter``), sharded as one unit, the sharded optimizer state
+    """P47: on a model whose two modules share a weight (``b.weight is a.weight``), sharded as
+    one unit, the sharded optimizer state
     dict loads through ``set_optimizer_state_dict`` into a fresh model and optimizer, and one more
     Adam step gives the unsharded model's parameters."""
     dsd = _dsd()
-    oracle = TiedNet(0).to(ctx.device)
+    oracle = SharedWeightNet(0).to(ctx.device)
     model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("", {})])
     oopt = torch.optim.Adam(oracle.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -204,7 +204,7 @@ def dsd_optim_shared_param(ctx):
         _step(ctx, model, opt, step)
     osd = dsd.get_optimizer_state_dict(model, opt)
     msd = dsd.get_model_state_dict(model)
-    fresh = ctx.impl.shard(TiedNet(3).to(ctx.device), ctx, plan=[("", {})])
+    fresh = ctx.impl.shard(SharedWeightNet(3).to(ctx.device), ctx, plan=[("", {})])
     fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     dsd.set_model_state_dict(fresh, msd)
     dsd.set_optimizer_state_dict(fresh, fopt, osd)

@@ -13,7 +13,7 @@ optimizer has it:
   its unit) has no state in the unsharded optimizer, so none in the dict, while the parameters
   after it in its unit have theirs; the flat parameter's padding (``head``'s 21 elements at world
   size 2: one element on rank 1) never reaches a parameter's state;
-* a parameter with two FQNs (``shared_parameter is random_parameter``) has its state once, under
+* a parameter with two FQNs (``b.weight is a.weight`` across two modules) has its state once, under
   one of them, and it loads back; a parameter FSDP does not manage (``ignored_modules``) keeps
   its plain state.
 ``optim_state_dict_to_load`` of such a dict (FULL, FULL ``rank0_only`` with the others passing
@@ -52,7 +52,7 @@ from conformance.adapters import base
 from conformance.checks._shared.optim_state import STATE_TOL
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks._shared.sd_models import AREA, InnerHeadNet, TiedNet, full_params
+from conformance.checks._shared.sd_models import AREA, InnerHeadNet, SharedWeightNet, full_params
 from conformance.registry import check
 
 REQUIRES = {base.FSDP1_OPTIM_STATE_DICT, base.FSDP1_API, base.FLAT_PARAM, base.TRAINING}
@@ -105,7 +105,7 @@ def _build(ctx, model_kind, orig_params):
     ``orig_params`` (a unit of mixed requires_grad needs ``use_orig_params=True``)."""
     ctx.seed(0)
     if model_kind == "tied":
-        oracle = TiedNet(0).to(ctx.device)
+        oracle = SharedWeightNet(0).to(ctx.device)
         plan, options = [("", {})], {}
     elif model_kind == "ignored":
         oracle = IgnoredNet().to(ctx.device)
@@ -361,7 +361,7 @@ MODEL_CASES = {
 
 @check(area=AREA, requires=REQUIRES, cases=MODEL_CASES, world_sizes=(2,))
 def fsdp1_optim_shared_and_ignored(ctx, model_kind, kind, orig_params=False):
-    """S31: a parameter with two FQNs (``TiedNet``'s ``shared_parameter is random_parameter``)
+    """S31: a parameter with two FQNs (``SharedWeightNet``'s ``b.weight is a.weight``)
     has its state once, under one FQN, and a module FSDP ignores (``ignored_modules``) keeps its
     parameters' plain state; both load back through ``optim_state_dict_to_load`` (FULL and
     SHARDED) and one more step gives the unsharded model's parameters."""
