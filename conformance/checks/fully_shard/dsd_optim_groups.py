@@ -22,7 +22,7 @@ beyond P29's one-group Adam, on a ``fully_shard`` model (P45-P50).
   hide that child's name gets the hook's keys in DSD's dict, with this rank's chunks as values.
   (torch 2.13's ``get_model_state_dict`` maps keys with the default name ``_fqn_modifiers``
   whatever the option says, so a method of another name fails there with AttributeError: the
-  check names the default explicitly.)
+  ``custom-name`` case is pinned as an expected failure of torch 2.13's DSD.)
 
 The oracle is the unsharded model with its own optimizer, fed the same global batch.
 """
@@ -287,7 +287,8 @@ def dsd_optim_flatten_nested_values(ctx):
 
 class _Hidden(nn.Module):
     """Holds a Linear(10, 3) as ``base`` but saves and loads its entries as ``weight`` / ``bias``
-    (state-dict hooks drop ``base.``); ``_fqn_modifiers()`` tells DSD so (``{name: "base"}``)."""
+    (state-dict hooks drop ``base.``); a method of the name the subclass gives tells DSD so
+    (``{name: "base"}``)."""
 
     def __init__(self):
         super().__init__()
@@ -307,35 +308,55 @@ class _Hidden(nn.Module):
             if prefix + name in sd:
                 sd[prefix + "base." + name] = sd.pop(prefix + name)
 
-    def _fqn_modifiers(self):
+    @staticmethod
+    def _modifiers():
         return {"weight": "base", "bias": "base"}
 
     def forward(self, x):
         return self.base(x)
 
 
+class _HiddenDefault(_Hidden):
+    def _fqn_modifiers(self):  # DSD's default method name
+        return self._modifiers()
+
+
+class _HiddenRenames(_Hidden):
+    def _renames(self):
+        return self._modifiers()
+
+
+HIDDEN = {"_fqn_modifiers": _HiddenDefault, "_renames": _HiddenRenames}
+
+
 class _HiddenNet(nn.Module):
-    def __init__(self, salt=0):
+    def __init__(self, salt=0, method="_fqn_modifiers"):
         super().__init__()
         source = Net(salt)
         self.lin1 = source.lin1
-        self.lin2 = _Hidden()
+        self.lin2 = HIDDEN[method]()
         self.lin2.base.load_state_dict(source.lin2.state_dict())
 
     def forward(self, x):
         return self.lin2(torch.tanh(self.lin1(x)))
 
 
-@check(area=AREA, requires=REQUIRES - {base.TRAINING}, world_sizes=(2,))
-def dsd_fqn_modifiers(ctx):
-    """P49: ``StateDictOptions(dsd_fqn_modifiers="_fqn_modifiers")`` on a model whose ``lin2``
-    saves its child ``base``'s entries as ``lin2.weight`` / ``lin2.bias`` (and says so through
-    ``_fqn_modifiers()``; see the SPEC rule for another method name): ``get_model_state_dict`` has exactly those keys with this rank's chunks of
+@check(
+    area=AREA,
+    requires=REQUIRES - {base.TRAINING},
+    cases={"default-name": {"method": "_fqn_modifiers"}, "custom-name": {"method": "_renames"}},
+    world_sizes=(2,),
+)
+def dsd_fqn_modifiers(ctx, method):
+    """P49: ``StateDictOptions(dsd_fqn_modifiers=method)`` on a model whose ``lin2`` saves its
+    child ``base``'s entries as ``lin2.weight`` / ``lin2.bias`` and says so through its method of
+    that name (DSD's default ``_fqn_modifiers``, or ``_renames``): ``get_model_state_dict`` has exactly those keys with this rank's chunks of
     the values, and ``set_model_state_dict`` of another such model's dict loads them."""
     dsd = _dsd()
-    opts = dsd.StateDictOptions(dsd_fqn_modifiers="_fqn_modifiers")
-    model = ctx.impl.shard(_HiddenNet(1).to(ctx.device), ctx, plan=[("lin1", {}), ("", {})])
-    plain = {k: v.detach().cpu().clone() for k, v in _HiddenNet(1).state_dict().items()}
+    opts = dsd.StateDictOptions(dsd_fqn_modifiers=method)
+    model = _HiddenNet(1, method).to(ctx.device)
+    model = ctx.impl.shard(model, ctx, plan=[("lin1", {}), ("", {})])
+    plain = {k: v.detach().cpu().clone() for k, v in _HiddenNet(1, method).state_dict().items()}
     sd = dsd.get_model_state_dict(model, options=opts)
     assert (
         sorted(sd) == sorted(plain) == ["lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight"]
@@ -345,7 +366,8 @@ def dsd_fqn_modifiers(ctx):
         assert torch.equal(value.to_local().detach().cpu(), want), (
             f"{ctx.where()} {key}: not this rank's chunk of the model's value"
         )
-    target = ctx.impl.shard(_HiddenNet(4).to(ctx.device), ctx, plan=[("lin1", {}), ("", {})])
+    target = _HiddenNet(4, method).to(ctx.device)
+    target = ctx.impl.shard(target, ctx, plan=[("lin1", {}), ("", {})])
     dsd.set_model_state_dict(target, sd, options=opts)
     for key, value in dsd.get_model_state_dict(target, options=opts).items():
         want = chunk_of(plain[key], 0, ctx.world_size, ctx.rank)
