@@ -18,7 +18,9 @@ optimizer has it:
   its plain state.
 ``optim_state_dict_to_load`` of such a dict (FULL, FULL ``rank0_only`` with the others passing
 ``{}``, SHARDED) into a freshly built model and optimizer gives back the same state, and one more
-step gives the unsharded model's parameters. A FULL dict whose parameters of one flat parameter
+step gives the unsharded model's parameters. A FULL dict in which some parameters of one flat
+parameter have state and others none (unused parameters the unsharded optimizer never stepped) is
+refused with ValueError (they disagree on ``step``). A FULL dict whose parameters of one flat parameter
 have different state names (one lacks ``exp_avg_sq``) is refused with ValueError ("Differing
 optimizer state names"). Under LOCAL (``LocalOptimStateDictConfig``) ``optim_state_dict`` gives
 the SHARDED form's values, on the CPU with ``offload_to_cpu=True``.
@@ -413,3 +415,64 @@ def fsdp1_optim_local_offload(ctx):
                     f"{ctx.where()} LOCAL offload_to_cpu=True: {name}.{key} on {local.device}, "
                     "expected the CPU"
                 )
+
+
+class SpareNet(InnerHeadNet):
+    """InnerHeadNet with parameters in the root's unit that the forward never reads, so the
+    unsharded optimizer never gives them state: ``spare`` (3,) on the root itself (first in the
+    unit's flat parameter: a module's own parameters come before its children's) or a Linear(3, 3)
+    ``tail`` registered after ``head`` (last)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        if where == "first":
+            self.spare = nn.Parameter(torch.zeros(3))
+        else:
+            self.tail = nn.Linear(3, 3)
+
+
+@check(
+    area=AREA,
+    requires=REQUIRES,
+    cases={"stateless-last": {"where": "last"}, "stateless-first": {"where": "first"}},
+    world_sizes=(2,),
+)
+def fsdp1_optim_load_stateless_param(ctx, where):
+    """S35: the unsharded optimizer's own ``state_dict()`` rekeyed to FQNs
+    (``rekey_optim_state_dict(..., PARAM_NAME, unsharded model)``), in which the root unit's
+    unused parameters (first or last in its flat parameter) have no state while the unit's other
+    parameters have theirs, is refused by ``optim_state_dict_to_load`` under FULL with ValueError
+    (the unit's parameters disagree on the scalar state ``step``) on every rank."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    oracle = SpareNet(where).to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLAN)
+    oopt = torch.optim.Adam(oracle.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        _step(ctx, oracle, oopt, step)
+    unused = [n for n, p in oracle.named_parameters() if p not in oopt.state]
+    assert unused and all(not n.startswith(("inner", "head")) for n in unused), (
+        f"{ctx.where()} setup: parameters without state {unused}, expected the unused ones"
+    )
+    by_name = _quiet(
+        ns.FullyShardedDataParallel.rekey_optim_state_dict,
+        oopt.state_dict(),
+        ns.OptimStateKeyType.PARAM_NAME,
+        oracle,
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with _context(ctx, model, "full"):
+                ns.FullyShardedDataParallel.optim_state_dict_to_load(model, opt, by_name)
+    except ValueError as exc:
+        assert "scalar state with the same value" in str(exc), (
+            f"{ctx.where()} ValueError {str(exc)[:160]!r}, expected it to say the unit's "
+            "parameters disagree on their scalar state"
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} optim_state_dict_to_load accepted a dict in which {unused} have no "
+            "state next to the other parameters of their flat parameter; expected ValueError"
+        )
