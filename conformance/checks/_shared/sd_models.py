@@ -128,6 +128,21 @@ class TiedNet(nn.Module):
         return self.net3(self.net2(self.net1(x))) + self.shared_parameter
 
 
+class SharedWeightNet(nn.Module):
+    """Two Linear(4, 4) modules sharing one weight (``b.weight is a.weight``, two FQNs across two
+    distinct modules; TiedNet's aliases live in one module), each with its own bias."""
+
+    def __init__(self, salt: int = 0):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        fill_(self, salt)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 # ------------------------------------------------------------------------------------- helpers
 def inputs(rank: int, batch: int = 2, step: int = 0, features: int = 4) -> torch.Tensor:
     """The batch ``rank`` uses at ``step`` (distinct per rank and step)."""
