@@ -297,6 +297,20 @@ class FullyShardedDataParallel(_FSDPState):
         found = _fsdp_modules(module)
         return [m for m in found if m._is_root] if root_only else found
 
+    def check_is_root(self) -> bool:
+        """Whether this unit is a root: no FSDP module above it. Wrapping marks every FSDP
+        module it contains as non-root, so the answer is known before the first forward."""
+        return self._is_root
+
+    def apply(self, fn: Any) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with the full parameters: ``fn`` runs on every module inside
+        :meth:`summon_full_params` (``writeback=True``), so it sees each original parameter
+        with its global shape, and an in-place change it makes lands in every rank's shard."""
+        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:  # a nested unit: the
+            return super().apply(fn)  # enclosing apply already unsharded it
+        with _unshard_params(self, True, True, False, False, False):
+            return super().apply(fn)
+
     # -- gradient accumulation --------------------------------------------------------------------
 
     @contextlib.contextmanager
