@@ -311,6 +311,22 @@ class FullyShardedDataParallel(_FSDPState):
         with _unshard_params(self, True, True, False, False, False):
             return super().apply(fn)
 
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Replace every unit's gradient reduction (root only, before training): a unit that
+        shards calls ``hook(state, unsharded_grad, output)`` and must write its shard of the
+        reduced gradient into ``output``; one that does not (NO_SHARD, world size 1) calls
+        ``hook(state, grad)``, which reduces ``grad`` in place. Nothing divides by the world
+        size any more: the hook decides."""
+        if not self._is_root:
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        for unit in _fsdp_modules(self):
+            if unit._handle is not None:
+                if unit._handle.comm_hook is not None:
+                    raise AssertionError("A communication hook is already registered")
+                unit._handle.comm_hook = (hook, state)
+
     # -- gradient accumulation --------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -133,3 +133,46 @@ def apply_full_params(ctx):
         assert_close(ctx, f"{name} after apply(fill_)", got[name], ref, FP32["param"])
     x, _ = _batch(ctx, 0)
     assert_close(ctx, "forward after apply", model(x[:B]), oracle(x[:B]), FP32["loss"])
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def comm_hook_sum(ctx):
+    """R27: ``root.register_comm_hook(state, hook)`` replaces every unit's gradient reduction: a
+    hook that sums over ranks without dividing (``hook(state, grad, output)`` reduce-scatters
+    into ``output`` when the unit shards; ``hook(state, grad)`` all-reduces in place when it does
+    not) is called once per unit with a flat parameter per backward, with ``state`` as given, and
+    one SGD step then moves every parameter by ``ws`` times the oracle's averaged gradient."""
+    import torch.distributed as dist
+
+    model, oracle = _build(ctx, {})
+    token = object()
+    calls: list[object] = []
+
+    def hook(state, grad, output=None):
+        calls.append(state)
+        if output is None:
+            dist.all_reduce(grad)
+        else:
+            dist.reduce_scatter_tensor(output, grad)
+
+    model.register_comm_hook(token, hook)
+    units = ctx.impl.ns.FullyShardedDataParallel.fsdp_modules(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = _batch(ctx, 0)
+    ((model(x[mine]) - y[mine]) ** 2).mean().backward()
+    ((oracle(x) - y) ** 2).mean().backward()
+    assert len(calls) == len(units) and all(s is token for s in calls), (
+        f"{ctx.where()} the hook ran {len(calls)} time(s) in one backward (state given each "
+        f"time: {all(s is token for s in calls)}), expected once per unit ({len(units)})"
+    )
+    for p in oracle.parameters():
+        p.grad.mul_(ctx.world_size)  # a sum over ranks of the per-rank mean losses' gradients
+    opt.step()
+    oopt.step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(
+            ctx, f"{name} after a step with the summing hook", got[name], ref, FP32["param"]
+        )
