@@ -45,6 +45,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_RUNTIME,
             base.FSDP1_OPTIM_STATE_DICT,
             base.FSDP1_HYBRID_SHARD,
+            base.FSDP1_GRAD_SCALER,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(
