@@ -42,7 +42,12 @@ from reference._fsdp1._common_utils import (
     clean_tensor_name,
 )
 from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
-from reference._fsdp1._init_utils import _clamp_strategy, _compute_device, _managed_tensors
+from reference._fsdp1._init_utils import (
+    _clamp_strategy,
+    _compute_device,
+    _managed_tensors,
+    _materialize_with_init_fn,
+)
 from reference._fsdp1._runtime_utils import (
     TrainingState,
     _forward,
@@ -130,8 +135,6 @@ class FullyShardedDataParallel(_FSDPState):
             )
         if cpu_offload is not None and cpu_offload.offload_params:
             raise NotImplementedError("The reference FSDP does not implement CPUOffload")
-        if param_init_fn is not None:
-            raise NotImplementedError("The reference FSDP does not implement param_init_fn")
         if ignored_modules is not None and ignored_states is not None:
             raise ValueError("Cannot pass both ignored_modules and ignored_states")
         super().__init__()
@@ -197,6 +200,8 @@ class FullyShardedDataParallel(_FSDPState):
                 FullyShardedDataParallel,
             )
 
+        if param_init_fn is not None:
+            _materialize_with_init_fn(module, param_init_fn, self._ignored_modules)
         params, self._owned_buffers = _managed_tensors(
             module, self._ignored_modules, self._ignored_params
         )
