@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": what FSDP1's constructor says about its arguments (R30, R31)."""
+"""Area "fsdp1_runtime": what FSDP1's constructor says about its arguments (R30-R32)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,33 @@ def ignored_states_list(ctx, ignore):
         assert_close(ctx, name, got[name], oracle.get_parameter(name), FP32["param"])
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(5)).to(ctx.device)
     assert_close(ctx, "forward", fsdp(x), oracle(x), FP32["loss"])
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES | {base.FSDP1_HYBRID_SHARD},
+    cases={"pg_not_groups": {"bad": "pg"}, "mesh_1d": {"bad": "mesh"}},
+    world_sizes=(2,),
+)
+def hybrid_shard_bad_groups(ctx, bad):
+    """R32: ``sharding_strategy=HYBRID_SHARD`` refuses with ValueError a ``process_group``
+    that is not a pair of ProcessGroups (a tuple of two ints) and a ``device_mesh`` that is not
+    2-D (a 1-D mesh over every rank), before any unit is built."""
+    ns = ctx.impl.ns
+    kwargs = {"sharding_strategy": ns.ShardingStrategy.HYBRID_SHARD, **_kwargs(ctx)}
+    if bad == "pg":
+        kwargs["process_group"] = (1, 2)
+    else:
+        kwargs["device_mesh"] = ctx.make_mesh((ctx.world_size,), ("shard",))
+    model = InnerHeadNet().to(ctx.device)
+    try:
+        ns.FullyShardedDataParallel(model, **kwargs)
+    except ValueError:
+        pass
+    except Exception as e:  # noqa: BLE001 - the wrong exception is the finding
+        raise AssertionError(
+            f"{ctx.where()} HYBRID_SHARD with a bad {bad}: {type(e).__name__}: {e}, "
+            "expected ValueError"
+        ) from e
+    else:
+        raise AssertionError(f"{ctx.where()} HYBRID_SHARD with a bad {bad} was accepted")
