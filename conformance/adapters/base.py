@@ -70,6 +70,7 @@ HSDP_ALL_REDUCE = "hsdp-all-reduce-knob"  # FSDPModule.set_requires_all_reduce o
 DCP_HELPERS = "dcp-helpers"  # torch.distributed.checkpoint.state_dict get/set_* on the model
 FSDP1_OPTIM_STATE_DICT = "fsdp1-optim-state-dict"  # FSDP.optim_state_dict / _to_load
 FSDP1_HYBRID_SHARD = "fsdp1-hybrid-shard"  # HYBRID_SHARD / _HYBRID_SHARD_ZERO2
+FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradScaler
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 
 ALL_CAPABILITIES = frozenset(
@@ -139,6 +140,10 @@ PROMISES = {
     "equal to the unsharded optimizer's",
     FSDP1_HYBRID_SHARD: "plan kwargs `sharding_strategy=HYBRID_SHARD` / `_HYBRID_SHARD_ZERO2` "
     "with `device_mesh=<2-D (replicate, shard) mesh>`: shard within a row, replicate across rows",
+    FSDP1_GRAD_SCALER: "`<ns>.sharded_grad_scaler.ShardedGradScaler(device=, init_scale=, "
+    "growth_factor=, backoff_factor=, growth_interval=)`: a GradScaler whose inf/nan check is "
+    "all-reduced over the ranks, so a non-finite gradient shard on any rank skips the step on "
+    "every rank",
     FSDP2_FORWARD_METHOD: "`ns.register_fsdp_forward_method(module, name)`: calling "
     "`module.<name>` unshards the unit around it as forward does (gradients reduced likewise)",
 }

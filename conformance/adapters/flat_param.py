@@ -46,6 +46,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_OPTIM_STATE_DICT,
             base.FSDP1_HYBRID_SHARD,
             base.DCP_HELPERS,
+            base.FSDP1_GRAD_SCALER,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -53,12 +53,14 @@ def _reference_fsdp1():
     from conformance.adapters.flat_param import FlatParamAdapter
 
     impl = FlatParamAdapter("reference", name="reference-fsdp1", version=_reference_version())
-    # reference/_fsdp1 has no optimizer state dicts and no HYBRID_SHARD (docs/adapters.md), and
-    # torch.distributed.checkpoint.state_dict recognizes only torch's own FullyShardedDataParallel
+    # reference/_fsdp1 has no optimizer state dicts, no HYBRID_SHARD and no ShardedGradScaler
+    # (docs/adapters.md), and torch.distributed.checkpoint.state_dict recognizes only torch's own
+    # FullyShardedDataParallel
     impl.capabilities = impl.capabilities - {
         base.FSDP1_OPTIM_STATE_DICT,
         base.FSDP1_HYBRID_SHARD,
         base.DCP_HELPERS,
+        base.FSDP1_GRAD_SCALER,
     }
     return impl
 

@@ -40,6 +40,7 @@ warn; 2.11 and 2.12 have only the old names. :func:`all_gather_single` and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,8 @@ class FlatParamHandle:
         # A param dtype without a reduce dtype reduces in the param dtype (upstream's rule).
         self._reduce_dtype = reduce_dtype or self._compute_dtype
         self._keep_low_precision_grads = keep_low_precision_grads
+        # (hook, state) from the root's register_comm_hook: replaces the reduction below
+        self.comm_hook: tuple[Any, Any] | None = None
         # no_sync(): False skips the reduction; backwards accumulate in _unsynced_grad (padded,
         # unsharded, compute dtype) until the next synced backward reduces the sum.
         self._sync_gradients = True
@@ -237,6 +240,15 @@ class FlatParamHandle:
         """Sum the unsharded gradient over ranks in the reduce dtype, keep this rank's part and
         divide by the world size."""
         grad = grad_padded.to(self._reduce_dtype).contiguous()
+        if self.comm_hook is not None:  # the hook communicates (and divides, if it wants to)
+            hook, hook_state = self.comm_hook
+            if self.uses_sharded_strategy:
+                out = grad.new_empty(grad.numel() // self.world_size)
+                hook(hook_state, grad, out)
+            else:
+                out = grad.clone() if grad is grad_padded else grad
+                hook(hook_state, out)
+            return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
         if self.uses_sharded_strategy:
             out = grad.new_empty(grad.numel() // self.world_size)
             reduce_scatter_single(out, grad, self.process_group)

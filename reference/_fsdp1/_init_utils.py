@@ -76,3 +76,23 @@ def _compute_device(device_id: Any, params: list[nn.Parameter], module: nn.Modul
         return device
     tensors = params + list(module.buffers())
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _materialize_with_init_fn(
+    module: nn.Module, param_init_fn: Any, ignored_modules: set[nn.Module]
+) -> None:
+    """Deferred initialisation: where a parameter or buffer this unit would manage is still on
+    the meta device, call ``param_init_fn(m)`` once for every module ``m`` of the unit's own part
+    of the tree, breadth first from ``module``: a nested FSDP unit (which materialised itself when
+    it was wrapped) and an ignored module, with everything below them, are left out."""
+    if not callable(param_init_fn):
+        raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
+    own = [module]
+    for m in own:  # grows while it is walked: a breadth-first walk
+        own.extend(
+            c for c in m.children() if not isinstance(c, _FSDPState) and c not in ignored_modules
+        )
+    tensors = [t for m in own for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    if any(t.is_meta for t in tensors):
+        for m in own:
+            param_init_fn(m)

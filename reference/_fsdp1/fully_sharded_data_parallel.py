@@ -42,7 +42,12 @@ from reference._fsdp1._common_utils import (
     clean_tensor_name,
 )
 from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
-from reference._fsdp1._init_utils import _clamp_strategy, _compute_device, _managed_tensors
+from reference._fsdp1._init_utils import (
+    _clamp_strategy,
+    _compute_device,
+    _managed_tensors,
+    _materialize_with_init_fn,
+)
 from reference._fsdp1._runtime_utils import (
     TrainingState,
     _forward,
@@ -130,8 +135,6 @@ class FullyShardedDataParallel(_FSDPState):
             )
         if cpu_offload is not None and cpu_offload.offload_params:
             raise NotImplementedError("The reference FSDP does not implement CPUOffload")
-        if param_init_fn is not None:
-            raise NotImplementedError("The reference FSDP does not implement param_init_fn")
         if ignored_modules is not None and ignored_states is not None:
             raise ValueError("Cannot pass both ignored_modules and ignored_states")
         super().__init__()
@@ -197,6 +200,8 @@ class FullyShardedDataParallel(_FSDPState):
                 FullyShardedDataParallel,
             )
 
+        if param_init_fn is not None:
+            _materialize_with_init_fn(module, param_init_fn, self._ignored_modules)
         params, self._owned_buffers = _managed_tensors(
             module, self._ignored_modules, self._ignored_params
         )
@@ -296,6 +301,36 @@ class FullyShardedDataParallel(_FSDPState):
         """Every FSDP module in ``module`` 's tree (``modules()`` order), or only the roots."""
         found = _fsdp_modules(module)
         return [m for m in found if m._is_root] if root_only else found
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is a root: no FSDP module above it. Wrapping marks every FSDP
+        module it contains as non-root, so the answer is known before the first forward."""
+        return self._is_root
+
+    def apply(self, fn: Any) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with the full parameters: ``fn`` runs on every module inside
+        :meth:`summon_full_params` (``writeback=True``), so it sees each original parameter
+        with its global shape, and an in-place change it makes lands in every rank's shard."""
+        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:  # a nested unit: the
+            return super().apply(fn)  # enclosing apply already unsharded it
+        with _unshard_params(self, True, True, False, False, False):
+            return super().apply(fn)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Replace every unit's gradient reduction (root only, before training): a unit that
+        shards calls ``hook(state, unsharded_grad, output)`` and must write its shard of the
+        reduced gradient into ``output``; one that does not (NO_SHARD, world size 1) calls
+        ``hook(state, grad)``, which reduces ``grad`` in place. Nothing divides by the world
+        size any more: the hook decides."""
+        if not self._is_root:
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        for unit in _fsdp_modules(self):
+            if unit._handle is not None:
+                if unit._handle.comm_hook is not None:
+                    raise AssertionError("A communication hook is already registered")
+                unit._handle.comm_hook = (hook, state)
 
     # -- gradient accumulation --------------------------------------------------------------------
 

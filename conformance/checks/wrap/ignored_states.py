@@ -29,6 +29,8 @@ W18_CASES = {
     "states-param-and-module": ("ignored_states", ("lin2.weight", "lin1"), "all-or-all"),
     # ignored_modules takes modules only
     "modules-with-param": ("ignored_modules", ("lin1", "lin2.weight"), "modules-only"),
+    # a one-element list is checked too
+    "modules-only-param": ("ignored_modules", ("lin2.weight",), "modules-only"),
 }
 _LEADS = {
     "all-or-all": "ignored_states expects all nn.Parameter or all nn.Module list elements",
