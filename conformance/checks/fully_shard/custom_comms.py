@@ -135,7 +135,7 @@ def custom_comm_used(ctx, kind):
 
 @check(area="training", requires=REQUIRES, world_sizes=(1, 2))
 def custom_comm_excludes_pg_allocator(ctx):
-    """P39: a unit with a custom all-gather refuses
+    """P39, P31: a unit with a custom all-gather refuses
     ``set_allocate_memory_from_process_group_for_comm(True)`` (the custom comm decides its own
     buffers): AssertionError naming ``set_allocate_memory_from_process_group``."""
     ctx.seed(0)

@@ -1,4 +1,4 @@
-"""Area "training": explicit all-gather prefetching (P38) and custom collectives (P39).
+"""Area "training": explicit all-gather prefetching (P38).
 
 [Note: observing the order of all-gathers]
 ``set_modules_to_forward_prefetch([m])`` on unit u issues m's all-gather right after u's own (in
