@@ -20,9 +20,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
+from conformance.checks._shared.collectives import NAMESPACES
 from conformance.checks._shared.oracle import (
     FP32,
     MLP,
@@ -78,28 +81,65 @@ def comm_knob_training(ctx, name):
     run_parity(ctx, plan="nested", steps=2, after_shard=_on_every_unit(ctx, method, *args))
 
 
+class GroupSpy(TorchDispatchMode):
+    """The process group of every all-gather and reduce-scatter op at the dispatcher (its
+    ``group_name``): ``c10d`` ops take the ProcessGroup third, functional ones its name last."""
+
+    def __init__(self):
+        super().__init__()
+        self.groups: dict[str, set[str]] = {"allgather": set(), "reducescatter": set()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+        kind = next((k for k in self.groups if k in name.replace("_", "")), None)
+        if kind is not None and name.split(".")[0] in NAMESPACES:
+            group = args[2] if name.startswith("c10d.") else args[-1]
+            if not isinstance(group, str):  # a boxed ScriptObject at the dispatcher
+                group = dist.ProcessGroup.unbox(group).group_name
+            self.groups[kind].add(group)
+        return result
+
+
 @check(area="training", requires=REQUIRES)
 def separate_reduce_scatter_group(ctx):
-    """P32: after ``set_separate_reduce_scatter_group(True)`` (recursive, from the root) the
-    gradients are reduce-scattered on a group of their own over the same ranks; two SGD steps
-    give the oracle's gradients and parameters; ``set_separate_reduce_scatter_group(False)``
-    returns to the shared group, and training still equals the oracle."""
-    model = run_parity(
-        ctx,
-        plan="nested",
-        steps=2,
-        after_shard=lambda m: m.set_separate_reduce_scatter_group(True),
-    )
-    del model
-    run_parity(
-        ctx,
-        plan="nested",
-        steps=1,
-        after_shard=lambda m: (
-            m.set_separate_reduce_scatter_group(True),
-            m.set_separate_reduce_scatter_group(False),
-        ),
-    )
+    """P32: after ``set_separate_reduce_scatter_group(True)`` (recursive, from the root) every
+    reduce-scatter runs on a process group of its own (never the all-gathers' group) over the
+    same ranks; two SGD steps give the oracle's gradients and parameters.
+    ``set_separate_reduce_scatter_group(False)`` afterwards returns the reduce-scatters to the
+    all-gathers' group, and training still equals the oracle."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for enable, steps in ((True, 2), (False, 1)):
+
+        def setter(model, enable=enable):
+            model.set_separate_reduce_scatter_group(True)
+            if not enable:
+                model.set_separate_reduce_scatter_group(False)
+
+        with GroupSpy() as spy:
+            run_parity(ctx, plan="nested", steps=steps, after_shard=setter)
+        gathers, scatters = spy.groups["allgather"], spy.groups["reducescatter"]
+        if ctx.world_size == 1:
+            continue  # nothing is communicated
+        what = "set_separate_reduce_scatter_group(" + ("True)" if enable else "True), then (False)")
+        assert scatters, f"{ctx.where()} {what}: no reduce-scatter seen"
+        if enable:
+            assert not scatters & gathers, (
+                f"{ctx.where()} {what}: reduce-scatters on {sorted(scatters)}, which all-gathers "
+                f"({sorted(gathers)}) use too; expected a group of their own"
+            )
+            for group in scatters:
+                ranks = dist.get_process_group_ranks(_resolve_process_group(group))
+                assert sorted(ranks) == list(range(ctx.world_size)), (
+                    f"{ctx.where()} {what}: the reduce-scatter group {group} spans ranks "
+                    f"{ranks}, expected the shard ranks {list(range(ctx.world_size))}"
+                )
+        else:
+            assert scatters <= gathers, (
+                f"{ctx.where()} {what}: reduce-scatters on {sorted(scatters - gathers)}, not "
+                f"the all-gathers' group {sorted(gathers)}"
+            )
 
 
 @check(
