@@ -40,6 +40,7 @@ from conformance.checks._shared.oracle import (
     step_and_compare,
 )
 from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard.prefetch import GatherSpy
 from conformance.registry import check
 
 REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API}
@@ -260,7 +261,8 @@ class EmbedNet(nn.Module):
 @check(area="training", requires=REQUIRES | {base.AUTO_WRAP})
 def unshard_in_backward_off(ctx):
     """P34: ``model.emb.set_unshard_in_backward(False)`` on an embedding unit (resharded after
-    forward): its backward does not all-gather the weight again, yet the weight's sharded gradient
+    forward): its backward does not all-gather the weight again (no all-gather at all in backward:
+    the root keeps its parameters after forward), yet the weight's sharded gradient
     is the oracle's chunk (rows of the embedding table summed over the global batch's lookups),
     as are the head's, and two SGD steps give the oracle's parameters."""
     ctx.seed(0)
@@ -274,7 +276,15 @@ def unshard_in_backward_off(ctx):
         g = torch.Generator().manual_seed(50 + step)
         idx = torch.randint(0, 10, (ctx.world_size * B, 3), generator=g).to(ctx.device)
         target = torch.randn(ctx.world_size * B, 3, 3, generator=g).to(ctx.device)
-        ((model(idx[mine]) - target[mine]) ** 2).mean().backward()
+        loss = ((model(idx[mine]) - target[mine]) ** 2).mean()
+        with GatherSpy() as spy:
+            loss.backward()
+        if ctx.world_size > 1:  # one rank gathers nothing
+            assert not spy.sizes, (
+                f"{ctx.where()} step {step}: backward all-gathered {spy.sizes} elements; "
+                "expected none (emb has unshard_in_backward=False, the root kept its "
+                "parameters after forward)"
+            )
         ((oracle(idx) - target) ** 2).reshape(ctx.world_size, -1).mean(1).mean().backward()
         for name, param in model.named_parameters():
             expected = chunk_of(
