@@ -172,12 +172,17 @@ class FSDPParamGroup:
                 self.unshard()
             self.wait_for_unshard()
 
-    def reset_iter_state(self) -> None:
-        """Drop a pending all-gather and return to ``SHARDED`` / ``IDLE`` (after a failed
-        forward or backward; see ``FSDPModule.reset_iter_state``)."""
+    def discard_pending_unshard(self) -> None:
+        """Finish and drop an all-gather nobody waited for (a prefetch whose unit did not run):
+        its data predates the optimizer step, so the next unshard must gather again."""
         if (result := self._all_gather_result) is not None and result.all_gather_work is not None:
             result.all_gather_work.wait()
         self._all_gather_result = None
+
+    def reset_iter_state(self) -> None:
+        """Drop a pending all-gather and return to ``SHARDED`` / ``IDLE`` (after a failed
+        forward or backward; see ``FSDPModule.reset_iter_state``)."""
+        self.discard_pending_unshard()
         self._training_state = TrainingState.IDLE
         self.to_state(ShardedState.SHARDED)
 

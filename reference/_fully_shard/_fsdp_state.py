@@ -252,6 +252,7 @@ class FSDPState(_State):
             if (group := state._fsdp_param_group) is not None:
                 if group._training_state != TrainingState.POST_BACKWARD:
                     group.post_backward()  # autograd never reached its inputs
+                group.discard_pending_unshard()
                 group._training_state = TrainingState.IDLE
             state._training_state = TrainingState.IDLE
         ctx.post_backward_final_callback_queued = False
