@@ -104,7 +104,8 @@ class GroupSpy(TorchDispatchMode):
 
 @check(area="training", requires=REQUIRES)
 def separate_reduce_scatter_group(ctx):
-    """P32: after ``set_separate_reduce_scatter_group(True)`` (recursive, from the root) every
+    """P32: after ``set_separate_reduce_scatter_group()`` (enable=True by default; recursive,
+    from the root) every
     reduce-scatter runs on a process group of its own (never the all-gathers' group) over the
     same ranks; two SGD steps give the oracle's gradients and parameters.
     ``set_separate_reduce_scatter_group(False)`` afterwards returns the reduce-scatters to the
@@ -114,7 +115,7 @@ def separate_reduce_scatter_group(ctx):
     for enable, steps in ((True, 2), (False, 1)):
 
         def setter(model, enable=enable):
-            model.set_separate_reduce_scatter_group(True)
+            model.set_separate_reduce_scatter_group()  # enable=True by default
             if not enable:
                 model.set_separate_reduce_scatter_group(False)
 
@@ -196,9 +197,10 @@ def force_sum_with_divide_factor(ctx, factor):
 def max_input_buffers_rejects(ctx, value, error, text):
     """P31: ``set_reduce_scatter_max_input_buffers`` takes an int >= 1: a bool (True is not 1)
     or a float raises TypeError "max_input_buffers must be an int, got <type>", 0 raises
-    ValueError "max_input_buffers must be a positive int, got 0"."""
+    ValueError "max_input_buffers must be a positive int, got 0"; 1 is accepted."""
     ctx.seed(0)
     model = ctx.impl.shard(MLP().to(ctx.device), ctx, plan=PLANS["nested"])
+    model.set_reduce_scatter_max_input_buffers(1)  # the smallest valid value (the default)
     try:
         model.set_reduce_scatter_max_input_buffers(value)
     except error as exc:
@@ -373,35 +375,57 @@ class Raising(Exception):
     pass
 
 
-@check(area="states", requires=REQUIRES)
-def reset_iter_state_after_failed_forward(ctx):
-    """P37: a forward that raises inside ``out`` (after ``inp`` ran), caught by the caller, then
-    ``model.reset_iter_state()`` on the root: every unit is SHARDED again (DTensor parameters) and
-    the next iterations train as the oracle (sharded gradients its chunks, parameters after two
-    SGD steps its values). On a non-root unit after lazy init, ``reset_iter_state()`` raises
-    RuntimeError "reset_iter_state must be called on the root FSDP module"."""
+class FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises: a backward that fails inside a unit, after FSDP's
+    pre-backward unsharded it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise Raising("injected in backward")
+
+
+@check(
+    area="states",
+    requires=REQUIRES,
+    cases={"forward": {"phase": "forward"}, "backward": {"phase": "backward"}},
+)
+def reset_iter_state_after_failure(ctx, phase):
+    """P37: a forward that raises inside ``out``'s forward (``inp`` ran; ``out`` was unsharded
+    for it), or a backward that raises inside ``out`` (after its pre-backward unsharded it),
+    caught by the caller, then ``model.reset_iter_state()`` on the root: every unit is SHARDED
+    again (DTensor parameters) and the next iterations train as the oracle (sharded gradients
+    its chunks, parameters after two SGD steps its values). On a non-root unit after lazy init,
+    ``reset_iter_state()`` raises RuntimeError "reset_iter_state must be called on the root
+    FSDP module"."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
     oracle = MLP().to(ctx.device)
     model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLANS["nested"])
-    armed = [True]
+    inner = model.out.forward
 
-    def fail_once(module, args):
-        if armed[0]:
-            armed[0] = False
-            raise Raising("injected")
+    def fail_once(*args, **kwargs):  # out's forward body: FSDP's pre-forward unsharded out
+        del model.out.forward  # the class's forward again from now on
+        if phase == "forward":
+            raise Raising("injected in forward")
+        return FailInBackward.apply(inner(*args, **kwargs))
 
-    hook = model.out.register_forward_pre_hook(fail_once)
+    model.out.forward = fail_once
     x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     try:
-        model(x[mine])
+        per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
     except Raising:
         pass
     else:
         raise AssertionError(f"{ctx.where()} setup: the injected error did not propagate")
-    hook.remove()
+    assert model.out.forward == inner, f"{ctx.where()} setup: out.forward not restored"
+    for p in model.parameters():
+        p.grad = None  # the failed iteration's gradients are lost
     model.reset_iter_state()
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), (
