@@ -72,6 +72,8 @@ FSDP1_OPTIM_STATE_DICT = "fsdp1-optim-state-dict"  # FSDP.optim_state_dict / _to
 FSDP1_HYBRID_SHARD = "fsdp1-hybrid-shard"  # HYBRID_SHARD / _HYBRID_SHARD_ZERO2
 FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradScaler
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
+FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
+FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -146,6 +148,12 @@ PROMISES = {
     "every rank",
     FSDP2_FORWARD_METHOD: "`ns.register_fsdp_forward_method(module, name)`: calling "
     "`module.<name>` unshards the unit around it as forward does (gradients reduced likewise)",
+    FSDP2_CUSTOM_COMMS: "`FSDPModule.set_custom_all_gather(comm)` / `set_custom_reduce_scatter("
+    "comm)`: the unit's all-gathers (reduce-scatters) call `comm(output, input, group, [op,] "
+    "async_op=)` on buffers from `comm.allocate(size, dtype=, device=)`",
+    FSDP2_DP_MESH_DIMS: "`ns.fully_shard(module, mesh=<full SPMD mesh>, dp_mesh_dims="
+    "ns.DataParallelMeshDims(shard=, replicate=))` over parameters that are DTensors replicated "
+    "on that mesh: sharded on the named shard dim, replicated (HSDP) on the named replicate dim",
 }
 
 

@@ -36,6 +36,8 @@ class FullyShardAdapter(NamespaceImplementation):
             base.HSDP_ALL_REDUCE,
             base.DCP_HELPERS,
             base.FSDP2_FORWARD_METHOD,
+            base.FSDP2_CUSTOM_COMMS,
+            base.FSDP2_DP_MESH_DIMS,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -42,9 +42,14 @@ def _reference_fsdp2():
     from conformance.adapters.fully_shard import FullyShardAdapter
 
     impl = FullyShardAdapter("reference", name="reference", version=_reference_version())
-    # reference/_fully_shard leaves HSDP accumulation and forward-method registration out (its
-    # package docstring; docs/adapters.md)
-    impl.capabilities = impl.capabilities - {base.HSDP_ALL_REDUCE, base.FSDP2_FORWARD_METHOD}
+    # reference/_fully_shard leaves HSDP accumulation, forward-method registration, custom
+    # collectives and SPMD meshes (dp_mesh_dims) out (its package docstring; docs/adapters.md)
+    impl.capabilities = impl.capabilities - {
+        base.HSDP_ALL_REDUCE,
+        base.FSDP2_FORWARD_METHOD,
+        base.FSDP2_CUSTOM_COMMS,
+        base.FSDP2_DP_MESH_DIMS,
+    }
     return impl
 
 

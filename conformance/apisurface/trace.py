@@ -82,6 +82,8 @@ class _Watch:
                 "_dynamo/eval_frame.py",
                 "distributed/_composable/contract.py",  # fully_shard's @contract
                 "_utils_internal.py",
+                # FSDP2's @_dynamo_disable (reset_iter_state); the file holds helpers only
+                "distributed/fsdp/_fully_shard/_fsdp_common.py",
             )
         )
         self.module_py = self.torch_root + "nn/modules/module.py"

@@ -7,10 +7,13 @@ parameters), ``_fsdp_state`` (hooks, root, lazy init), ``_fsdp_init`` (argument 
 ``_fully_shard`` (the API).
 
 Left out, deliberately: per-parameter meshes and 2-D (EP + TP) parameter meshes (both rejected
-with ``NotImplementedError``); CUDA streams, prefetching and other overlap machinery;
-``torch.compile`` support; and the ``FSDPModule`` methods that only tune those or HSDP
-accumulation (``set_requires_all_reduce``, ``set_is_last_backward``, ``set_modules_to_*_prefetch``,
-``set_post_optim_event``, ``set_unshard_in_backward``, custom all-gather / reduce-scatter).
+with ``NotImplementedError``); full SPMD meshes (``dp_mesh_dims``); CUDA streams and other overlap
+machinery; ``torch.compile`` support; and the ``FSDPModule`` methods that only tune those or HSDP
+accumulation (``set_requires_all_reduce``, ``set_post_optim_event``, custom all-gather /
+reduce-scatter). Explicit prefetching (``set_modules_to_*_prefetch``) only reorders the
+synchronous all-gathers; the stream and buffer dials (``set_is_last_backward``,
+``set_reduce_scatter_max_input_buffers``, ``set_allocate_memory_from_process_group_for_comm``) are
+stored and validated but change nothing here.
 """
 
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

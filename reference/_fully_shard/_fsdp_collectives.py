@@ -147,6 +147,7 @@ def foreach_reduce(
     device: torch.device,
     gradient_divide_factor: float | None,
     all_reduce_group: dist.ProcessGroup | None,  # set iff HSDP
+    force_sum: bool = False,
 ) -> None:
     """Reduce-scatter the group's gradients (HSDP: then all-reduce them) and accumulate them
     into the sharded parameters' DTensor ``.grad``. ``unsharded_grads`` is cleared on the way, so
@@ -155,7 +156,7 @@ def foreach_reduce(
         raise AssertionError(f"FSDP reduce-scatter expects uniform gradient dtype: {grad_dtypes}")
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     predivide, postdivide, rs_op, ar_op = _get_gradient_divide_factors(
-        reduce_scatter_group, all_reduce_group, reduce_dtype, gradient_divide_factor
+        reduce_scatter_group, all_reduce_group, reduce_dtype, gradient_divide_factor, force_sum
     )
     world_size = reduce_scatter_group.size()
     for i, (fsdp_param, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
@@ -197,12 +198,21 @@ def foreach_reduce(
 
 def _get_gradient_divide_factors(
     reduce_scatter_group: dist.ProcessGroup, all_reduce_group: dist.ProcessGroup | None,
-    reduce_dtype: torch.dtype, factor: float | None,
+    reduce_dtype: torch.dtype, factor: float | None, force_sum: bool = False,
 ) -> tuple[float | None, float | None, ReduceOp, ReduceOp]:  # fmt: skip
-    """``(predivide, postdivide, reduce_scatter_op, all_reduce_op)`` per the Note above."""
+    """``(predivide, postdivide, reduce_scatter_op, all_reduce_op)`` per the Note above.
+    ``force_sum`` (``set_force_sum_reduction_for_comms``): fp32/bf16 use SUM collectives and
+    divide by ``factor`` (the data-parallel size by default) after them."""
     data_parallel_size = reduce_scatter_group.size()
     if all_reduce_group is not None:
         data_parallel_size *= all_reduce_group.size()
+    if reduce_dtype in (torch.float32, torch.bfloat16) and force_sum:
+        return (
+            None,
+            float(data_parallel_size) if factor is None else factor,
+            ReduceOp.SUM,
+            ReduceOp.SUM,
+        )
     if reduce_dtype in (torch.float32, torch.bfloat16):
         if factor is None:
             op = ReduceOp.SUM if data_parallel_size == 1 else ReduceOp.AVG

@@ -66,6 +66,20 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self.reduce_scatter_unused_params = False  # unused parameters: reduce zeros, not skip
+        # [Note: knobs the reference honours trivially]
+        # Upstream tunes its stream overlap with these; every collective here runs synchronously
+        # on the current stream, so they are stored (and validated by FSDPModule) but change
+        # nothing: how many reduce-scatter input buffers may be in flight, and whether staging
+        # buffers come from the process group's allocator.
+        self.reduce_scatter_max_input_buffers = 1
+        self.allocate_memory_from_process_group = False
+        # A SUM collective plus a separate division instead of AVG / PREMUL_SUM (same result).
+        self.force_sum_reduction_for_comms = False
+        # False: the parameters are not all-gathered again in backward (the user promises that
+        # no gradient computation needs their values, e.g. an embedding's weight).
+        self.unshard_in_backward = True
+        # set_separate_reduce_scatter_group: a process group of its own over the same ranks.
+        self.reduce_scatter_process_group = None
 
     def lazy_init(self) -> None:
         """Once, before the first unshard: re-pad shards the user may have replaced since
@@ -154,8 +168,23 @@ class FSDPParamGroup:
     def pre_backward(self, *unused: Any) -> None:
         if self._training_state != TrainingState.PRE_BACKWARD:
             self._training_state = TrainingState.PRE_BACKWARD
-            self.unshard()
+            if self.unshard_in_backward:
+                self.unshard()
             self.wait_for_unshard()
+
+    def discard_pending_unshard(self) -> None:
+        """Finish and drop an all-gather nobody waited for (a prefetch whose unit did not run):
+        its data predates the optimizer step, so the next unshard must gather again."""
+        if (result := self._all_gather_result) is not None and result.all_gather_work is not None:
+            result.all_gather_work.wait()
+        self._all_gather_result = None
+
+    def reset_iter_state(self) -> None:
+        """Drop a pending all-gather and return to ``SHARDED`` / ``IDLE`` (after a failed
+        forward or backward; see ``FSDPModule.reset_iter_state``)."""
+        self.discard_pending_unshard()
+        self._training_state = TrainingState.IDLE
+        self.to_state(ShardedState.SHARDED)
 
     def post_backward(self, *unused: Any) -> None:
         """Reshard, then reduce-scatter the gradients produced since the last reduction.
@@ -189,9 +218,11 @@ class FSDPParamGroup:
             self.reshard()
         if with_grad:  # HSDP also all-reduces over the replicate group
             foreach_reduce(
-                with_grad, grads, self.mesh_info.shard_process_group, self._orig_dtype,
-                self._reduce_dtype, self.device, self.gradient_divide_factor,
+                with_grad, grads,
+                self.reduce_scatter_process_group or self.mesh_info.shard_process_group,
+                self._orig_dtype, self._reduce_dtype, self.device, self.gradient_divide_factor,
                 getattr(self.mesh_info, "replicate_process_group", None),
+                self.force_sum_reduction_for_comms,
             )  # fmt: skip
 
     def _register_post_backward_hook(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -48,6 +48,10 @@ class FSDPStateContext:
         self.all_states: list[FSDPState] = []  # root first, then pre-order
         self.iter_forward_root: FSDPState | None = None  # the state whose forward is running
         self.post_backward_final_callback_queued = False
+        # set_is_last_backward: upstream waits for its pending reductions at the end of the last
+        # backward; every reduction here is finished when post-backward returns, so it is kept
+        # for the API only.
+        self.is_last_backward = True
 
 
 class FSDPState(_State):
@@ -70,6 +74,11 @@ class FSDPState(_State):
         self._state_ctx = FSDPStateContext()
         self._training_state = TrainingState.IDLE
         self._modules_to_run_forward: set[nn.Module] = set()  # grouped fully_shard only
+        # [Note: explicit prefetching] set_modules_to_forward_prefetch / ..._backward_prefetch:
+        # the states whose all-gather this state starts right after its own unshard in forward
+        # (backward); each one's own pre-forward (pre-backward) then only waits for it.
+        self._states_to_forward_prefetch: list[FSDPState] = []
+        self._states_to_backward_prefetch: list[FSDPState] = []
         for module in modules:
             _insert_module_state(module, self)  # a weak reference: the module holds the state
         if len(modules) == 1:
@@ -148,6 +157,9 @@ class FSDPState(_State):
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if group is not None:
             args, kwargs = group.pre_forward(module, args, kwargs)
+        for state in self._states_to_forward_prefetch:
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.unshard()
         return args, kwargs
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -213,7 +225,24 @@ class FSDPState(_State):
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         if self._fsdp_param_group is not None:
             self._fsdp_param_group.pre_backward()
+        for state in self._states_to_backward_prefetch:
+            if (group := state._fsdp_param_group) is not None and group.unshard_in_backward:
+                group.unshard()
         return grad
+
+    def _reset_iter_state(self) -> None:
+        """After a forward or backward that raised: every state under this root back to
+        ``IDLE``, every group ``SHARDED`` with no pending all-gather, no forward root."""
+        if self._is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        ctx = self._state_ctx
+        for state in ctx.all_states or [self]:
+            state._modules_to_run_forward.clear()
+            state._training_state = TrainingState.IDLE
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.reset_iter_state()
+        ctx.iter_forward_root = None
+        ctx.post_backward_final_callback_queued = False
 
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
@@ -223,6 +252,7 @@ class FSDPState(_State):
             if (group := state._fsdp_param_group) is not None:
                 if group._training_state != TrainingState.POST_BACKWARD:
                     group.post_backward()  # autograd never reached its inputs
+                group.discard_pending_unshard()
                 group._training_state = TrainingState.IDLE
             state._training_state = TrainingState.IDLE
         ctx.post_backward_final_callback_queued = False

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh
@@ -148,6 +149,69 @@ class FSDPModule:
         handle.wait()
         return None
 
+    def reset_iter_state(self) -> None:
+        """Recover after ``forward()`` or ``backward()`` raised: call it on the root, then run
+        the next iteration as usual (the failed iteration's gradients are lost). On a unit that
+        lazy init found not to be the root it raises RuntimeError."""
+        self._get_fsdp_state()._reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (see ``FSDPStateContext``)."""
+        self._get_fsdp_state()._state_ctx.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` right after this module's own all-gather in forward (see
+        [Note: explicit prefetching] in ``_fsdp_state``)."""
+        _assert_all_fsdp_modules(modules)
+        states = [m._get_fsdp_state() for m in modules]
+        self._get_fsdp_state()._states_to_forward_prefetch = states
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` right after this module's own all-gather in backward."""
+        _assert_all_fsdp_modules(modules)
+        states = [m._get_fsdp_state() for m in modules]
+        self._get_fsdp_state()._states_to_backward_prefetch = states
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM collectives and a separate division (not recursive)."""
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction_for_comms = enable
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatter inputs may be in flight: an int >= 1 (a bool is refused).
+        Inert here (see [Note: knobs the reference honours trivially])."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Staging buffers from the process group's allocator (inert here, not recursive)."""
+        for group in self._groups(recurse=False):
+            group.allocate_memory_from_process_group = enable
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
+        """Reduce-scatter on a process group of its own over the shard ranks (``False``: the
+        shared shard group again). Collective: every rank of the mesh calls it."""
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            if not enable:
+                group.reduce_scatter_process_group = None
+            elif group.reduce_scatter_process_group is None:
+                group.reduce_scatter_process_group = _new_shard_group(group.mesh_info, created)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not all-gather this module's parameters again in backward (only when no
+        gradient computation reads their values, e.g. an embedding; not recursive)."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
         for group in self._groups(recurse):
@@ -242,7 +306,7 @@ class FSDPModule:
 class UnshardHandle:
     """A handle on an asynchronous :meth:`FSDPModule.unshard`."""
 
-    def __init__(self, fsdp_param_group: FSDPParamGroup | None):
+    def __init__(self, fsdp_param_group: FSDPParamGroup | None = None):
         self._fsdp_param_group = fsdp_param_group
 
     def wait(self) -> None:
@@ -250,6 +314,26 @@ class UnshardHandle:
         if self._fsdp_param_group is not None:
             self._fsdp_param_group.wait_for_unshard()
             self._fsdp_param_group = None
+
+
+def _new_shard_group(mesh_info, created: dict) -> dist.ProcessGroup:
+    """A new process group over this rank's shard ranks, one per rank set (``created``).
+
+    [Note: one new group per shard row] ``dist.new_group`` is called by every rank of the
+    mesh for every shard rank set (each row of the mesh along the shard dim), in the same order,
+    so the groups need no rank-local naming; each rank keeps the group of its own row."""
+    rows = mesh_info.mesh.mesh.movedim(mesh_info.shard_mesh_dim, -1)
+    mine = tuple(dist.get_process_group_ranks(mesh_info.shard_process_group))
+    for row in rows.reshape(-1, rows.shape[-1]).tolist():
+        if tuple(row) not in created:
+            created[tuple(row)] = dist.new_group(row)
+    return created[mine]
+
+
+def _assert_all_fsdp_modules(modules) -> None:
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
 
 
 def _snapshot(tensor: torch.Tensor) -> torch.Tensor:

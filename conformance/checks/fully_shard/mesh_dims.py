@@ -1,0 +1,172 @@
+"""Area "training": ``fully_shard(dp_mesh_dims=DataParallelMeshDims(...))`` on a full SPMD mesh
+(P40, P41).
+
+[Note: the SPMD mesh]
+With ``dp_mesh_dims`` the ``mesh`` passed to ``fully_shard`` is the whole SPMD mesh and every
+parameter is already a DTensor on it, ``Replicate()`` on each data-parallel dim; the
+``DataParallelMeshDims`` names which dims are data parallel: ``shard=`` the dim FSDP shards on,
+``replicate=`` the dim it replicates over (HSDP). Two cases, each on a (2, ws/2) mesh:
+
+* ``shard="dp"`` on ``("dp", "tp")``: the parameter becomes ``(Shard(0), Replicate())``, rank r
+  holding chunk ``dp(r)`` of 2 (``dp(r) = r // (ws/2)``); the ranks of one ``dp`` index form one
+  data-parallel replica and feed the same samples (those of index ``dp(r)``), so the gradient is
+  averaged over the 2 dp indices only.
+* ``shard="dp", replicate="rep"`` on ``("rep", "dp")``: ``(Replicate(), Shard(0))``, chunk
+  ``r % (ws/2)`` of ``ws/2``; every rank feeds its own samples and the gradient is averaged over
+  all ws ranks (HSDP, P16).
+
+The model wraps its input and output so that the forward computes on DTensors of the mesh (inputs
+``Replicate()`` everywhere, as ``distribute_module`` would hand them), and the oracle is the plain
+model on the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._shared.oracle import (
+    FP32,
+    MLP,
+    B,
+    assert_close,
+    make_batch,
+    make_optimizer,
+    per_sample_loss,
+)
+from conformance.checks._shared.rows import chunk_of
+from conformance.registry import check
+
+REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_DP_MESH_DIMS}
+
+
+class SpmdMLP(nn.Module):
+    """The oracle MLP computing on DTensors of ``mesh``: the input enters replicated on every
+    dim, the output leaves as this rank's local tensor."""
+
+    def __init__(self, mlp: MLP, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.mesh = mesh
+        self.inp, self.out = mlp.inp, mlp.out
+        for module in (self.inp, self.out):
+            for name, param in list(module.named_parameters()):
+                full = distribute_tensor(param.detach(), mesh, [Replicate()] * mesh.ndim)
+                setattr(module, name, nn.Parameter(full))
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return self.out(torch.tanh(self.inp(x))).to_local()
+
+
+CASES = {
+    # name: (mesh dim names, DataParallelMeshDims kwargs)
+    "shard": (("dp", "tp"), {"shard": "dp"}),
+    "shard-replicate": (("rep", "dp"), {"shard": "dp", "replicate": "rep"}),
+}
+
+
+@check(
+    area="training", requires=REQUIRES, cases={n: {"name": n} for n in CASES}, world_sizes=(2, 4)
+)
+def dp_mesh_dims_training(ctx, name):
+    """P40 (``shard="dp"`` on ``("dp", "tp")``), P41 (``shard="dp", replicate="rep"`` on
+    ``("rep", "dp")``): after ``fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=...)`` on ``inp``,
+    ``out`` and the root, every parameter is a DTensor on the full mesh with ``Shard(0)`` on the
+    shard dim and ``Replicate()`` elsewhere, its local tensor the rank's chunk over the shard dim;
+    two SGD steps give sharded gradients equal to the oracle's chunks of the gradient averaged
+    over the data-parallel replicas (see the module Note) and parameters equal to its."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    ns = ctx.impl.ns
+    names, dims = CASES[name]
+    ws, rank = ctx.world_size, ctx.rank
+    half = ws // 2
+    mesh = ctx.make_mesh((2, half), names)
+    shard_axis = names.index("dp")
+    if name == "shard":
+        parts, index = 2, rank // half
+        replica, replicas = rank // half, 2  # one replica per dp index
+    else:
+        parts, index = half, rank % half
+        replica, replicas = rank, ws
+    ctx.seed(0)
+    oracle = MLP().to(ctx.device)
+    model = SpmdMLP(copy.deepcopy(oracle), mesh)
+    mesh_dims = ns.DataParallelMeshDims(**dims)
+    for unit in (model.inp, model.out, model):
+        ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=mesh_dims)
+    expected_placements = tuple(
+        Shard(0) if axis == shard_axis else Replicate() for axis in range(2)
+    )
+    for fqn, param in model.named_parameters():
+        assert isinstance(param, DTensor) and tuple(param.placements) == expected_placements, (
+            f"{ctx.where()} {fqn}: {type(param).__name__} "
+            f"{getattr(param, 'placements', None)}, expected a DTensor {expected_placements}"
+        )
+        assert_close(
+            ctx,
+            f"{fqn} local shard (chunk {index} of {parts})",
+            param.to_local(),
+            chunk_of(oracle.get_parameter(fqn), 0, parts, index),
+            FP32["param"],
+        )
+    opt = make_optimizer("sgd", model.parameters())
+    oopt = make_optimizer("sgd", oracle.parameters())
+    mine = slice(replica * B, (replica + 1) * B)
+    for step in range(2):
+        x, y = make_batch("mlp", replicas, step, ctx.device)
+        per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+        per_sample_loss("mlp", oracle(x), y).mean().backward()
+        for fqn, param in model.named_parameters():
+            assert_close(
+                ctx,
+                f"step {step}: {fqn} sharded gradient (the oracle's chunk {index} of {parts}, "
+                f"averaged over {replicas} replicas)",
+                param.grad.to_local(),
+                chunk_of(oracle.get_parameter(fqn).grad, 0, parts, index),
+                FP32["grad"],
+            )
+        opt.step()
+        oopt.step()
+        opt.zero_grad()
+        oopt.zero_grad()
+        for fqn, param in model.named_parameters():
+            assert_close(
+                ctx,
+                f"{fqn} after step {step}",
+                param.detach().full_tensor(),
+                oracle.get_parameter(fqn),
+                FP32["param"],
+            )
+
+
+@check(
+    area="training",
+    requires={base.FSDP2_API, base.FSDP2_DP_MESH_DIMS},
+    cases={
+        "neither": {"kwargs": {}, "text": "At least one of shard or replicate must be set"},
+        "unknown-dim": {"kwargs": {"shard": "nope"}, "text": "Mesh dim name 'nope' not found"},
+    },
+    world_sizes=(2,),
+)
+def dp_mesh_dims_rejects(ctx, kwargs, text):
+    """P40: ``DataParallelMeshDims()`` with neither field raises ValueError "At least one of shard
+    or replicate must be set ..."; a name the mesh lacks (``shard="nope"``) makes ``fully_shard``
+    raise ValueError "Mesh dim name 'nope' not found in mesh.mesh_dim_names ..."."""
+    ns = ctx.impl.ns
+    mesh = ctx.make_mesh((2, 1), ("dp", "tp"))
+    ctx.seed(0)
+    model = SpmdMLP(MLP().to(ctx.device), mesh)
+    try:
+        ns.fully_shard(model, mesh=mesh, dp_mesh_dims=ns.DataParallelMeshDims(**kwargs))
+    except ValueError as exc:
+        assert text in str(exc), f"{ctx.where()} ValueError {exc!r} does not say {text!r}"
+    else:
+        raise AssertionError(f"{ctx.where()} DataParallelMeshDims({kwargs}) raised nothing")
