@@ -9,6 +9,7 @@ implementation reports. A forward runs first, so every unit knows whether it is 
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -122,3 +123,59 @@ def set_state_dict_type_optim_mismatch(ctx):
         f"{ctx.where()} set_state_dict_type(SHARDED, optim FullOptimStateDictConfig) accepted; "
         f"expected RuntimeError"
     )
+
+
+# ------------------------------------------------------------------------------ flat sizes
+SIZE_CASES = {
+    "full-shard-orig": {"strategy": "FULL_SHARD", "orig": True},
+    "no-shard-orig": {"strategy": "NO_SHARD", "orig": True},
+    "no-shard-flat": {"strategy": "NO_SHARD", "orig": False},
+}
+
+
+@check(area="layout", requires=REQUIRES | {base.AUTO_WRAP}, cases=SIZE_CASES, world_sizes=(1, 2))
+def flat_layout_sizes(ctx, strategy, orig):
+    """R37: one unit over four parameters (numels 35, 7, 21, 3, none a multiple of the fp32
+    alignment 4): ``_numels_with_padding`` follows R10's rule (a padding segment before each
+    parameter that does not start aligned, with ``use_orig_params=True``); the total T is
+    ``_unpadded_unsharded_size``; a sharded strategy has ``_sharded_size == (ceil(T/ws),)`` and
+    ``_padded_unsharded_size == (ws * ceil(T/ws),)`` (after the lazy init of a forward), NO_SHARD
+    ``_sharded_size == (T,)`` and, where it records one (upstream keeps none under NO_SHARD),
+    ``_padded_unsharded_size == (T,)``. The padding segment at the end rounds T up to a multiple
+    of the world size, also under NO_SHARD (the unit's process group is the world)."""
+    from conformance.checks.fsdp1.wrapper_api import layout_rule
+
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(ctx.device)
+    kwargs = {"sharding_strategy": getattr(ns.ShardingStrategy, strategy)}
+    model = ctx.impl.shard(oracle, ctx, plan=[("", kwargs)], use_orig_params=orig)
+    read = getattr(ctx.impl, "_flat_params", None)
+    if read is None:
+        raise base.NotSupported("the flat parameters' layout metadata (adapter._flat_params)")
+    model(torch.randn(2, 5, device=ctx.device)).sum().backward()
+    ((_, flat),) = read(model)
+    sharded = strategy != "NO_SHARD" and ctx.world_size > 1
+    fields = ["_numels_with_padding", "_unpadded_unsharded_size", "_sharded_size"]
+    if sharded or hasattr(flat, "_padded_unsharded_size"):
+        fields.append("_padded_unsharded_size")
+    if not hasattr(flat, "_numels_with_padding"):
+        raise base.NotSupported("flat parameter layout fields (_numels_with_padding)")
+    missing = [f for f in fields if not hasattr(flat, f)]
+    assert not missing, f"{ctx.where()} {strategy}: the flat parameter records no {missing}"
+    numels = [35, 7, 21, 3]
+    segments, *_ = layout_rule(numels, ctx.world_size, ctx.rank, 4 if orig else 0)
+    got = list(flat._numels_with_padding)
+    assert got == segments, f"{ctx.where()} _numels_with_padding {got}, expected {segments}"
+    total = sum(segments)
+    chunk = math.ceil(total / ctx.world_size) if sharded else total
+    expect = {
+        "_unpadded_unsharded_size": torch.Size([total]),
+        "_padded_unsharded_size": torch.Size([chunk * ctx.world_size if sharded else total]),
+        "_sharded_size": torch.Size([chunk]),
+    }
+    for field, want in expect.items():
+        if field not in fields:
+            continue
+        value = getattr(flat, field)
+        assert value == want, f"{ctx.where()} {strategy}: {field} {value}, expected {want}"
