@@ -179,3 +179,37 @@ def flat_layout_sizes(ctx, strategy, orig):
             continue
         value = getattr(flat, field)
         assert value == want, f"{ctx.where()} {strategy}: {field} {value}, expected {want}"
+
+
+@check(area="layout", requires=REQUIRES | {base.AUTO_WRAP}, world_sizes=(2,))
+def orig_params_sharded_numels(ctx):
+    """R38: ``use_orig_params=True``, FULL_SHARD at ws 2, one unit over parameters of numels 35,
+    7, 21, 3: between unshards each original parameter (``named_parameters()``) holds its part of
+    this rank's shard, 1-D, with ``numel_in_shard`` elements of the R10 layout and 0 elements when
+    none of it lies in the shard; so after construction and again after a training step."""
+    from conformance.checks.fsdp1.wrapper_api import layout_rule
+
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(ctx.device)
+    names = [n for n, _ in oracle.named_parameters()]
+    numels = [p.numel() for p in oracle.parameters()]
+    model = ctx.impl.shard(oracle, ctx, plan=[("", {})], use_orig_params=True)
+    _, _, _, infos, _ = layout_rule(numels, ctx.world_size, ctx.rank, 4)
+    want = {n: (info[2] if info[0] else 0) for n, info in zip(names, infos)}
+    assert 0 in want.values(), f"{ctx.where()} test setup: every parameter is on this rank"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def check_now(when: str) -> None:
+        got = {ctx.impl.clean_fqn(n): p for n, p in model.named_parameters()}
+        for name, n in want.items():
+            assert name in got, f"{ctx.where()} {when}: {name} missing ({sorted(got)})"
+            p = got[name]
+            assert p.dim() == 1 and p.numel() == n, (
+                f"{ctx.where()} {when}: {name} has shape {tuple(p.shape)}, expected ({n},) "
+                f"(its part of this rank's shard)"
+            )
+
+    check_now("after construction")
+    model(torch.randn(2, 5, device=ctx.device)).sum().backward()
+    opt.step()
+    check_now("after a training step")
