@@ -9,6 +9,7 @@ implementation reports. A forward runs first, so every unit knows whether it is 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks.fsdp1.summon_full_params import build, expect_refusal
 from conformance.registry import check
 
@@ -213,3 +215,48 @@ def orig_params_sharded_numels(ctx):
     model(torch.randn(2, 5, device=ctx.device)).sum().backward()
     opt.step()
     check_now("after a training step")
+
+
+# ------------------------------------------------------------------------------ dict outputs
+class _DictInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+
+    def forward(self, x):
+        return {"h": self.lin(x)}
+
+
+class _DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _DictInner()
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return {"out": self.head(torch.tanh(self.inner(x)["h"]))}
+
+
+@check(area="training", requires={base.TRAINING}, world_sizes=(1, 2))
+def dict_outputs_train(ctx):
+    """R39: units (FSDP1) or fully_shard modules whose forwards return a dict of tensors (the
+    nested one and the root) train as with a tensor output: backward reaches every unit through the dict's values, so two SGD steps
+    on the same batch on every rank give the unsharded model's parameters."""
+    from conformance.checks._shared.sd_models import full_params
+
+    ctx.seed(0)
+    oracle = _DictNet().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", {}), ("", {})])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
+    ctx.seed(1)
+    x = torch.randn(4, 5, device=ctx.device)
+    for step in range(2):
+        for m, opt in zip((model, oracle), opts):
+            out = m(x)
+            assert isinstance(out, dict), f"{ctx.where()} step {step}: output {type(out)}"
+            out["out"].square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"after 2 steps: {name}", got[name], ref, FP32["param"])
