@@ -253,6 +253,34 @@ class FlatParamHandle(FlatGradHandling):
         n = self._end - self._start
         self.flat_param.data[:n].copy_(padded[self._start : self._end])
 
+    @torch.no_grad()
+    def writeback_replaced_data(self) -> None:
+        """use_orig_params=True, before a forward: an original parameter whose ``.data`` the user
+        replaced (its storage is no longer the flat parameter's) has its values copied into the
+        flat parameter at its place, and the views are put back (upstream's writeback rule)."""
+        if not self._use_orig_params:
+            return
+        fp = self.flat_param
+        storage = fp.untyped_storage().data_ptr()
+        infos = fp._shard_param_infos
+        replaced = [
+            p.untyped_storage().data_ptr() != storage
+            and (infos[i].in_shard or not self.uses_sharded_strategy)
+            for i, p in enumerate(self._orig_params)
+        ]
+        if not any(replaced):
+            return
+        if not self.uses_sharded_strategy:
+            for p, view, new in zip(self._orig_params, self.unflatten(fp.data), replaced):
+                if new:
+                    view.copy_(p.data)
+        else:
+            for i, p in enumerate(self._orig_params):
+                if replaced[i]:
+                    lo, n = infos[i].offset_in_shard, infos[i].numel_in_shard
+                    fp.data[lo : lo + n].copy_(p.data.reshape(-1))
+        self.reshard()
+
     # -- views ------------------------------------------------------------------------------------
 
     def unflatten(self, padded: torch.Tensor) -> list[torch.Tensor]:

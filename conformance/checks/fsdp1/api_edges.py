@@ -260,3 +260,30 @@ def dict_outputs_train(ctx):
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
         assert_close(ctx, f"after 2 steps: {name}", got[name], ref, FP32["param"])
+
+
+# ------------------------------------------------------------------------------ writeback
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.TRAINING}, world_sizes=(1, 2))
+def orig_params_data_replaced(ctx):
+    """R40: ``use_orig_params=True``: when every rank replaces each original parameter's ``.data``
+    (between iterations, outside forward) by a new tensor of the same shape holding 0.5, the
+    next forward uses the new values: its output equals the unsharded model's with every
+    parameter 0.5, and so do the full parameters afterwards."""
+    from conformance.checks._shared.sd_models import full_params
+
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("", {})], use_orig_params=True)
+    ctx.seed(1)
+    x = torch.randn(4, 5, device=ctx.device)
+    model(x).sum().backward()  # one iteration first: the lazy init has run
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = torch.full_like(p.data, 0.5)
+        for p in oracle.parameters():
+            p.fill_(0.5)
+        got = model(x)
+    assert_close(ctx, "forward after replacing .data", got, oracle(x).detach(), FP32["param"])
+    full = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"after replacing .data: {name}", full[name], ref, FP32["param"])
