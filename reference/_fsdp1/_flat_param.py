@@ -31,10 +31,8 @@ entries are listed in ``_numels_with_padding`` with ``_is_padding_mask`` True. W
 The layout arithmetic is pure (no process group) and lives in ``_fsdp1_flat_layout``;
 :class:`FlatParamHandle` applies it to real parameters.
 
-[Note: collective names across torch versions]  torch 2.13 renamed ``all_gather_into_tensor`` /
-``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single`` and made the old names
-warn; 2.11 and 2.12 have only the old names. :func:`all_gather_single` and
-:func:`reduce_scatter_single` below call the new name where it exists, else the old one.
+Gradient handling (reduction, no_sync accumulation, gradient views and dtypes) lives in
+:mod:`reference._fsdp1._flat_grad`: :class:`FlatParamHandle` inherits it.
 """
 
 from __future__ import annotations
@@ -46,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference._fsdp1._collectives import all_gather_single
+from reference._fsdp1._flat_grad import FlatGradHandling
 from reference._fsdp1._flat_layout import (
     ParamInfo,
     SharedParamInfo,
@@ -108,7 +108,7 @@ class _UnshardForCompute(torch.autograd.Function):
         return None, None
 
 
-class FlatParamHandle:
+class FlatParamHandle(FlatGradHandling):
     """Owns one :class:`FlatParameter` and switches its module between sharded and unsharded views.
 
     Attributes::
@@ -236,35 +236,6 @@ class FlatParamHandle:
         all_gather_single(out, local.contiguous(), self.process_group)
         return out
 
-    def _reduce_grad(self, grad_padded: torch.Tensor) -> torch.Tensor:
-        """Sum the unsharded gradient over ranks in the reduce dtype, keep this rank's part and
-        divide by the world size."""
-        grad = grad_padded.to(self._reduce_dtype).contiguous()
-        if self.comm_hook is not None:  # the hook communicates (and divides, if it wants to)
-            hook, hook_state = self.comm_hook
-            if self.uses_sharded_strategy:
-                out = grad.new_empty(grad.numel() // self.world_size)
-                hook(hook_state, grad, out)
-            else:
-                out = grad.clone() if grad is grad_padded else grad
-                hook(hook_state, out)
-            return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
-        if self.uses_sharded_strategy:
-            out = grad.new_empty(grad.numel() // self.world_size)
-            reduce_scatter_single(out, grad, self.process_group)
-        else:
-            out = grad.clone() if grad is grad_padded else grad
-            dist.all_reduce(out, group=self.process_group)
-        out.div_(self.world_size)
-        return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
-
-    def _add_unsynced_grad(self, grad_padded: torch.Tensor, keep: bool = False) -> torch.Tensor:
-        """``grad_padded`` plus the gradient accumulated under no_sync(); kept for later with
-        ``keep``, else handed over (and forgotten) for reduction."""
-        total = grad_padded if self._unsynced_grad is None else self._unsynced_grad + grad_padded
-        self._unsynced_grad = total if keep else None
-        return total
-
     def unshard_for_compute(self) -> torch.Tensor:
         """Padded unsharded flat tensor in the compute dtype, differentiable w.r.t. the shard."""
         return _UnshardForCompute.apply(self.flat_param, self)
@@ -284,6 +255,34 @@ class FlatParamHandle:
             return
         n = self._end - self._start
         self.flat_param.data[:n].copy_(padded[self._start : self._end])
+
+    @torch.no_grad()
+    def writeback_replaced_data(self) -> None:
+        """use_orig_params=True, before a forward: an original parameter whose ``.data`` the user
+        replaced (its storage is no longer the flat parameter's) has its values copied into the
+        flat parameter at its place, and the views are put back (upstream's writeback rule)."""
+        if not self._use_orig_params:
+            return
+        fp = self.flat_param
+        storage = fp.untyped_storage().data_ptr()
+        infos = fp._shard_param_infos
+        replaced = [
+            p.untyped_storage().data_ptr() != storage
+            and (infos[i].in_shard or not self.uses_sharded_strategy)
+            for i, p in enumerate(self._orig_params)
+        ]
+        if not any(replaced):
+            return
+        if not self.uses_sharded_strategy:
+            for p, view, new in zip(self._orig_params, self.unflatten(fp.data), replaced):
+                if new:
+                    view.copy_(p.data)
+        else:
+            for i, p in enumerate(self._orig_params):
+                if replaced[i]:
+                    lo, n = infos[i].offset_in_shard, infos[i].numel_in_shard
+                    fp.data[lo : lo + n].copy_(p.data.reshape(-1))
+        self.reshard()
 
     # -- views ------------------------------------------------------------------------------------
 
@@ -343,31 +342,6 @@ class FlatParamHandle:
                 p.data = fp.data.new_empty(0)
             _set_param(module, name, p)
 
-    def _use_sharded_grad_views(self) -> None:
-        grad = self.flat_param.grad
-        if not self.uses_sharded_strategy and grad is not None:
-            for p, g in zip(self._orig_params, self.unflatten(grad)):
-                _set_grad(p, g)
-            return
-        for i, p in enumerate(self._orig_params):
-            info = self.flat_param._shard_param_infos[i]
-            if grad is None or not info.in_shard:
-                p.grad = None
-            else:
-                _set_grad(
-                    p, grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-                )
-
-    @torch.no_grad()
-    def use_unsharded_grad_views(self) -> None:
-        """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
-        gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
-        grad = self.flat_param.grad
-        local = grad if grad is not None else torch.zeros_like(self.flat_param)
-        padded = self._gather(local.detach(), local.dtype)
-        for p, g in zip(self._orig_params, self.unflatten(padded)):
-            p.grad = g
-
     def _use_placeholders(self) -> None:
         """use_orig_params=False between unshards: each original name holds a ``meta`` tensor of
         the original shape and dtype (no storage). Code that only inspects it (``repr``,
@@ -396,9 +370,7 @@ class FlatParamHandle:
     def pre_backward(self) -> None:
         """Backward of this module starts: all-gather again into every freed gathered tensor and
         put the views back (modules recomputed by activation checkpointing read them)."""
-        grad = self.flat_param.grad
-        if grad is not None and grad.dtype != self.flat_param.dtype:  # keep_low_precision_grads
-            grad.data = grad.to(self.flat_param.dtype)  # accumulate in full precision
+        self._grad_to_full_precision()
         live = self._gathered_for_backward
         for padded in live:
             nbytes = padded.numel() * padded.element_size()
@@ -416,42 +388,9 @@ class FlatParamHandle:
         if self._gathered_for_backward:
             self._gathered_for_backward.clear()
             self.reshard()
-        grad = self.flat_param.grad
-        if self._keep_low_precision_grads and grad is not None:
-            # The optimizer sees the low precision: the compute dtype after a reduce-scatter,
-            # the reduce dtype where nothing is sharded (NO_SHARD never casts back).
-            low = self._compute_dtype if self.uses_sharded_strategy else self._reduce_dtype
-            grad.data = grad.to(low)
+        self._grad_to_optimizer_precision()
         if self._use_orig_params:
             self._use_sharded_grad_views()
-
-    def prepare_orig_grads_for_forward(self) -> None:
-        """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
-        the flat gradient they were views of is dropped too."""
-        if self._use_orig_params and all(p.grad is None for p in self._orig_params):
-            self.flat_param.grad = None
-
-
-def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad = grad``, also for a low-precision ``grad`` of an fp32 ``param``
-    (``keep_low_precision_grads``): torch refuses a ``.grad`` of another dtype on assignment, so
-    that gradient goes in through ``.data`` of a placeholder of the parameter's shape."""
-    if grad.dtype == param.dtype:
-        param.grad = grad
-        return
-    if param.grad is None or param.grad.shape != param.shape:
-        param.grad = torch.empty_like(param)
-    param.grad.data = grad
-
-
-def all_gather_single(output, input, group) -> None:  # Note: collective names
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
-
-
-def reduce_scatter_single(output, input, group) -> None:  # Note: collective names
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(output, input, group=group)
 
 
 def _fqn(info: ParamInfo) -> str:

@@ -103,6 +103,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
             "when no summon_full_params / state_dict unshard is active on this module"
         )
     handle.prepare_orig_grads_for_forward()
+    handle.writeback_replaced_data()
     padded = handle.unshard_for_compute()
     handle.use_unsharded_views(padded, as_params=False)
     state.training_state = TrainingState.FORWARD_BACKWARD

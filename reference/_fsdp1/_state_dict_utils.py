@@ -45,8 +45,9 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
+from reference._fsdp1._collectives import all_gather_single
 from reference._fsdp1._common_utils import FSDP_PREFIX, _FSDPState, clean_tensor_name
-from reference._fsdp1._flat_param import FLAT_PARAM, all_gather_single
+from reference._fsdp1._flat_param import FLAT_PARAM
 from reference._fsdp1._load_checks import _validate_load_input
 from reference._fsdp1._runtime_utils import _lazy_init, _unshard_fsdp_state_params
 from reference.api import FullStateDictConfig, ShardingStrategy, StateDictType

@@ -1,0 +1,123 @@
+"""Gradient handling of FSDP1's flat parameter (mixed into :class:`FlatParamHandle`).
+
+Rules:
+  reduction       after a synced backward the padded unsharded gradient (in the reduce dtype) is
+                  summed over the ranks and divided by the world size; a sharded strategy keeps
+                  this rank's chunk (reduce-scatter), NO_SHARD keeps all of it (all-reduce).
+  no_sync()       backwards outside synchronisation add their padded unsharded gradients up; the
+                  next synced backward reduces that sum plus its own gradient, once.
+  dtypes          the flat gradient accumulates in the parameter dtype; with
+                  ``keep_low_precision_grads`` the optimizer sees it in low precision (the compute
+                  dtype after a reduce-scatter, the reduce dtype under NO_SHARD).
+  gradient views  with ``use_orig_params=True`` each original ``.grad`` is a view into the flat
+                  gradient: the part of the parameter in this rank's shard (None where that part
+                  is empty), or, inside ``summon_full_params(with_grads=True)``, the full-shape
+                  view into the gathered gradient. Clearing every original ``.grad``
+                  (``zero_grad``) drops the flat gradient too.
+
+The mixin reads the handle's attributes (``flat_param``, ``process_group``, ``world_size``,
+``uses_sharded_strategy``, the dtypes, ``_orig_params``) and its ``_gather`` / ``unflatten``; it
+imports nothing from :mod:`reference._fsdp1._flat_param`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference._fsdp1._collectives import reduce_scatter_single
+
+
+class FlatGradHandling:
+    """The gradient half of :class:`reference._fsdp1._flat_param.FlatParamHandle`."""
+
+    def _reduce_grad(self, grad_padded: torch.Tensor) -> torch.Tensor:
+        """Sum the unsharded gradient over ranks in the reduce dtype, keep this rank's part and
+        divide by the world size; a registered comm hook (``comm_hook``) does the communication
+        and any division instead."""
+        grad = grad_padded.to(self._reduce_dtype).contiguous()
+        if self.comm_hook is not None:  # the hook communicates (and divides, if it wants to)
+            hook, hook_state = self.comm_hook
+            if self.uses_sharded_strategy:
+                out = grad.new_empty(grad.numel() // self.world_size)
+                hook(hook_state, grad, out)
+            else:
+                out = grad.clone() if grad is grad_padded else grad
+                hook(hook_state, out)
+            return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
+        if self.uses_sharded_strategy:
+            out = grad.new_empty(grad.numel() // self.world_size)
+            reduce_scatter_single(out, grad, self.process_group)
+        else:
+            out = grad.clone() if grad is grad_padded else grad
+            dist.all_reduce(out, group=self.process_group)
+        out.div_(self.world_size)
+        return out if self._keep_low_precision_grads else out.to(self.flat_param.dtype)
+
+    def _add_unsynced_grad(self, grad_padded: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """``grad_padded`` plus the gradient accumulated under no_sync(); kept for later with
+        ``keep``, else handed over (and forgotten) for reduction."""
+        total = grad_padded if self._unsynced_grad is None else self._unsynced_grad + grad_padded
+        self._unsynced_grad = total if keep else None
+        return total
+
+    @torch.no_grad()
+    def _grad_to_full_precision(self) -> None:
+        """Before a backward adds to it, a low-precision flat gradient (kept from the previous
+        step by ``keep_low_precision_grads``) goes back to the parameter dtype."""
+        grad = self.flat_param.grad
+        if grad is not None and grad.dtype != self.flat_param.dtype:
+            grad.data = grad.to(self.flat_param.dtype)
+
+    def _grad_to_optimizer_precision(self) -> None:
+        """After the reduction: with ``keep_low_precision_grads`` the optimizer sees the low
+        precision: the compute dtype after a reduce-scatter, the reduce dtype where nothing is
+        sharded (NO_SHARD never casts back)."""
+        grad = self.flat_param.grad
+        if self._keep_low_precision_grads and grad is not None:
+            low = self._compute_dtype if self.uses_sharded_strategy else self._reduce_dtype
+            grad.data = grad.to(low)
+
+    def _use_sharded_grad_views(self) -> None:
+        grad = self.flat_param.grad
+        if not self.uses_sharded_strategy and grad is not None:
+            for p, g in zip(self._orig_params, self.unflatten(grad)):
+                _set_grad(p, g)
+            return
+        for i, p in enumerate(self._orig_params):
+            info = self.flat_param._shard_param_infos[i]
+            if grad is None or not info.in_shard:
+                p.grad = None
+            else:
+                _set_grad(
+                    p, grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                )
+
+    @torch.no_grad()
+    def use_unsharded_grad_views(self) -> None:
+        """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
+        gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
+        grad = self.flat_param.grad
+        local = grad if grad is not None else torch.zeros_like(self.flat_param)
+        padded = self._gather(local.detach(), local.dtype)
+        for p, g in zip(self._orig_params, self.unflatten(padded)):
+            p.grad = g
+
+    def prepare_orig_grads_for_forward(self) -> None:
+        """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
+        the flat gradient they were views of is dropped too."""
+        if self._use_orig_params and all(p.grad is None for p in self._orig_params):
+            self.flat_param.grad = None
+
+
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a low-precision ``grad`` of an fp32 ``param``
+    (``keep_low_precision_grads``): torch refuses a ``.grad`` of another dtype on assignment, so
+    that gradient goes in through ``.data`` of a placeholder of the parameter's shape."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    if param.grad is None or param.grad.shape != param.shape:
+        param.grad = torch.empty_like(param)
+    param.grad.data = grad
