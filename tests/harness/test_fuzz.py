@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FORK = "tests.harness.test_fuzz:SummingFork"
 
 
-def _summing_divide_factors(reduce_scatter_group, all_reduce_group, reduce_dtype, factor):
+def _summing_divide_factors(
+    reduce_scatter_group, all_reduce_group, reduce_dtype, factor, force_sum=False
+):
     from torch.distributed import ReduceOp
 
     return None, None, ReduceOp.SUM, ReduceOp.SUM  # the fault: no average over the ranks
