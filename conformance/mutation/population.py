@@ -22,6 +22,7 @@ mutants' files. The installed files are never written; see :mod:`conformance.mut
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import random
 from dataclasses import asdict, dataclass
@@ -300,6 +301,12 @@ class Reach:
     import_time: bool
 
 
+@functools.lru_cache(maxsize=8)
+def _parse(source: str) -> ast.AST:
+    """One parse per file text: a campaign places many mutants of the same file (read-only use)."""
+    return ast.parse(source)
+
+
 def reach(source: str, line: int) -> Reach:
     """The lines whose execution exposes a change at ``line``.
 
@@ -308,7 +315,7 @@ def reach(source: str, line: int) -> Reach:
     * a function's decorators or signature (defaults): the function's body lines;
     * anything else (module or class level): import time.
     """
-    tree = ast.parse(source)
+    tree = _parse(source)
     best: tuple[int, int] | None = None
     func_body: tuple[int, int] | None = None
     for node in ast.walk(tree):
