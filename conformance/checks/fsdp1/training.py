@@ -84,7 +84,7 @@ def assert_flat_grads(ctx, model, oracle, what: str, tol=FP32["grad"]) -> None:
         )
 
 
-def assert_orig_param_grads(ctx, model, oracle, what: str) -> None:
+def assert_orig_param_grads(ctx, model, oracle, what: str, tol=FP32["grad"]) -> None:
     """use_orig_params=True: each original parameter's gradient is the oracle's gradient flattened,
     elements ``offset .. offset+n`` of the rank's view (the flat layout may hold alignment padding
     between parameters, so the flat gradient is not compared)."""
@@ -107,7 +107,7 @@ def assert_orig_param_grads(ctx, model, oracle, what: str) -> None:
             "of the oracle's)",
             grad.reshape(-1),
             expected,
-            FP32["grad"],
+            tol,
         )
 
 
@@ -299,18 +299,24 @@ def flat_mixed_precision_dtypes(ctx, name):
 @check(
     area="mixed_precision",
     requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.TRAINING},
-    cases={"bf16-fp32": {"reduce": torch.float32}, "bf16-none": {"reduce": None}},
+    cases={
+        "bf16-fp32": {"reduce": torch.float32},
+        "bf16-none": {"reduce": None},
+        "bf16-fp32-orig-params": {"reduce": torch.float32, "orig_params": True},
+    },
     min_world_size=2,
 )
-def flat_keep_low_precision_grads(ctx, reduce):
+def flat_keep_low_precision_grads(ctx, reduce, orig_params=False):
     """FSDP1 ``keep_low_precision_grads=True`` (sharded strategies): the flat gradient the
     optimizer sees is in the compute dtype (bf16) with the oracle's values (bf16 tolerance); the
-    flat parameter stays fp32, and a second backward accumulates onto it (P5)."""
+    flat parameter stays fp32, and a second backward accumulates onto it (P5); the same with
+    ``use_orig_params=True`` (R6)."""
     mp = {"param_dtype": BF16, "reduce_dtype": reduce, "keep_low_precision_grads": True}
     ctx.seed(0)
     model = MODELS["mlp"]().to(ctx.device)
     oracle = copy.deepcopy(model)
-    model = ctx.impl.shard(model, ctx, plan=PLANS["nested"], mixed_precision=mp)
+    extra = {"use_orig_params": True} if orig_params else {}
+    model = ctx.impl.shard(model, ctx, plan=PLANS["nested"], mixed_precision=mp, **extra)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     for step in range(2):  # no zero_grad in between: the second backward accumulates
         x, y = make_batch("mlp", ctx.world_size, step, ctx.device)
@@ -321,7 +327,10 @@ def flat_keep_low_precision_grads(ctx, reduce):
                 f"{ctx.where()} backward {step}: flat gradient of {fqns} dtype "
                 f"{None if grad is None else grad.dtype}, expected bfloat16 (keep_low_precision_grads)"
             )
-        assert_flat_grads(ctx, model, oracle, f"backward {step}", BF16_TOLS["grad"])
+        if orig_params:  # alignment padding may sit between the parameters: compare each one's
+            assert_orig_param_grads(ctx, model, oracle, f"backward {step}", BF16_TOLS["grad"])
+        else:
+            assert_flat_grads(ctx, model, oracle, f"backward {step}", BF16_TOLS["grad"])
     for fqns, flat in ctx.impl.flat_shards(model):
         assert flat.dtype == FP32_DTYPE, f"{ctx.where()} flat parameter of {fqns} is {flat.dtype}"
 

@@ -314,10 +314,15 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
+# world sizes 1-3: which modules become units does not depend on the world size, and parity
+# meets even rows and padding at 2 and uneven rows at 3; at 4 its 22 plans cost the default matrix
+# about 12 s on 2 cores and met nothing 2 and 3 do not (the fsdp2 parity checks of the training
+# area run at 4).
 @check(
     area="wrap",
     requires={base.AUTO_WRAP, base.FSDP2_API, base.TRAINING},
     cases=ZOO_CASES,
+    world_sizes=(1, 2, 3),
     timeout=180,
 )
 def fsdp2_plan_units_and_parity(ctx, case):
