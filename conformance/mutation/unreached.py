@@ -44,13 +44,23 @@ def _function_of(source: str) -> dict[int, str]:
 
 
 def unreached(target: str, work: Path, fallback_ws: list[int]) -> dict:
-    """Every counted mutant's placement: reached (some case runs its statement) or not."""
+    """Every counted mutant's placement, on the coverage maps of the checkout's suite."""
     tree = work / "tree-unreached"
     copy_tree(tree)
     src = population.copy_torch_sources(work / "torch-src-unreached") if target == "torch" else tree
     maps = [measure_coverage(tree, work, [1, 2], "", target, src)]
     if fallback_ws:
         maps.append(measure_coverage(tree, work, fallback_ws, "", target, src))
+    return {
+        "target": target,
+        "mutants": place(population.population(src, target), src, maps, target),
+    }
+
+
+def place(mutants, src: Path, maps: list[dict], target: str) -> list[dict]:
+    """Each mutant not classed (torch target) as reached or not: reached when some case of some
+    map executes its statement (:func:`population.select_cases`' rule), with its group, file and
+    function."""
     # per file, the lines any case of any map executed: a statement is reached when one of its
     # lines is among them (what select_cases asks case by case, asked once)
     ran: dict[str, set[int]] = collections.defaultdict(set)
@@ -61,7 +71,7 @@ def unreached(target: str, work: Path, fallback_ws: list[int]) -> dict:
     texts: dict[str, str] = {}
     funcs: dict[str, dict[int, str]] = {}
     rows = []
-    for m in population.population(src, target):
+    for m in mutants:
         text = texts.setdefault(m.file, (src / m.file).read_text())
         if target == "torch" and classes.classify(text, m.line, m.operator):
             continue
@@ -71,13 +81,18 @@ def unreached(target: str, work: Path, fallback_ws: list[int]) -> dict:
         else:
             reached = not where.lines.isdisjoint(ran[m.file])
         name = funcs.setdefault(m.file, _function_of(text)).get(m.line, "<module>")
-        rows.append({"id": m.id, "group": m.part, "file": m.file, "function": name, "reached": reached})
-    return {"target": target, "mutants": rows}
+        rows.append(
+            {"id": m.id, "group": m.part, "file": m.file, "function": name, "reached": reached}
+        )
+    return rows
 
 
 def render(data: dict, top: int) -> str:
     rows = data["mutants"]
-    out = [f"# Reach of the {data['target']} target's counted mutants (ceiling of any draw's score)", ""]
+    out = [
+        f"# Reach of the {data['target']} target's counted mutants (ceiling of any draw's score)",
+        "",
+    ]
     by_group = collections.defaultdict(lambda: [0, 0])
     for r in rows:
         by_group[r["group"]][0] += r["reached"]
@@ -90,14 +105,21 @@ def render(data: dict, top: int) -> str:
     missed = collections.Counter(
         (r["group"], r["file"], r["function"]) for r in rows if not r["reached"]
     )
-    out += [f"## The {top} functions with most unreached mutants", "", "| unreached | group | function |", "|---|---|---|"]
+    out += [
+        f"## The {top} functions with most unreached mutants",
+        "",
+        "| unreached | group | function |",
+        "|---|---|---|",
+    ]
     for (g, f, fn), n in missed.most_common(top):
         out.append(f"| {n} | {g} | `{f}`: `{fn}` |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conformance.mutation.unreached", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m conformance.mutation.unreached", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--target", choices=population.TARGETS, default="reference")
     p.add_argument("--work-dir", default="reports/mutation-work")
     p.add_argument("--fallback-world-sizes", default="4")
@@ -105,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write every mutant's placement here")
     args = p.parse_args(argv)
     fb = [int(w) for w in args.fallback_world_sizes.split(",") if w.strip()]
-    data = unreached(args.target, (ROOT / args.work_dir).resolve(), [w for w in fb if w not in (1, 2)])
+    data = unreached(
+        args.target, (ROOT / args.work_dir).resolve(), [w for w in fb if w not in (1, 2)]
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(data))
     print(render(data, args.top))

@@ -107,6 +107,27 @@ def test_selection_takes_the_cases_that_ran_the_lines():
     assert population.select_cases(cov, x, whole) == ["a", "b", "d", "f"]
 
 
+def test_unreached_places_each_mutant_by_the_lines_the_cases_ran(tmp_path):
+    from conformance.mutation import unreached
+
+    (tmp_path / "reference" / "wrap").mkdir(parents=True)
+    (tmp_path / "reference" / "wrap" / "x.py").write_text(SOURCE)
+    x = "reference/wrap/x.py"
+    at = {
+        line: population.Mutant(f"{x}:{line}", x, line, 0, "core/NumberReplacer", 0)
+        for line in (10, 9, 3)
+    }
+    cov = {"lines": {"a": {x: [9]}, "b": {}}}
+    rows = unreached.place(list(at.values()), tmp_path, [cov], "reference")
+    got = {r["id"]: (r["reached"], r["function"], r["group"]) for r in rows}
+    part = population.part_of(x)
+    assert got[f"{x}:9"] == (True, "f", part)  # the if's header ran
+    assert got[f"{x}:10"] == (False, "f", part)  # its body did not
+    assert got[f"{x}:3"][0] is True  # module level: case "b" ran no reference line (import-time rule)
+    text = unreached.render({"target": "reference", "mutants": rows}, top=5)
+    assert "| all | 2 | 3 | 66.7 % |" in text and "| 1 | " in text
+
+
 def test_annotations_are_not_mutated(tmp_path):
     (tmp_path / "reference").mkdir()
     (tmp_path / "reference" / "m.py").write_text("def f(x: int | None) -> int | None:\n    pass\n")
