@@ -1,4 +1,4 @@
-"""Area "state_dict": how FSDP1's optimizer-state APIs key the optimizer's state (S39-S43).
+"""Area "state_dict": how FSDP1's optimizer-state APIs key the optimizer's state (S39-S44).
 
 [Note: the keys of an optimizer state dict]
 A plain ``torch.optim`` optimizer keys its ``state_dict()`` by the index of each parameter in
@@ -26,6 +26,8 @@ original parameters' FQNs (S24) and back, and accept other ways of saying which 
 * with ``use_orig_params=True`` a module FSDP ignores keeps its plain state (as S31 for flat
   parameters), moved to the CPU under FULL's default ``offload_to_cpu=True``; its non-tensor
   entries stay as they are.
+* on a model built with ``device_mesh`` the SHARDED form holds DTensors ``(Shard(0),)`` on that
+  mesh instead of ShardedTensors (as S6 for the model), and LOCAL is refused.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import warnings
 
 import torch
 
+from conformance.adapters import base
 from conformance.checks._shared.optim_state import STATE_TOL
 from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks._shared.rows import chunk_of
 from conformance.checks._shared.sd_models import AREA, InnerHeadNet, full_params
 from conformance.checks.state_dict.optim_groups import (
     PLAN,
@@ -358,3 +362,88 @@ def fsdp1_optim_orig_params_ignored(ctx):
     osd = _osd(ctx, model, opt, "full", offload=False)
     _assert_osd(ctx, osd, oracle, oopt, True, "optim_state_dict (full, offload_to_cpu=False)")
     _load_and_step(ctx, oracle, oopt, model, osd, "full", False, "ignored", True)
+
+
+def _dtensor_entries(ctx, osd, what):
+    """``osd`` with each DTensor state entry replaced by its full tensor, after checking it is
+    ``(Shard(0),)`` on ``ctx.mesh`` holding this rank's ``torch.chunk`` rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = {"state": {}, "param_groups": osd["param_groups"]}
+    for name, entry in osd["state"].items():
+        full["state"][name] = dict(entry)
+        for key, value in entry.items():
+            if not (torch.is_tensor(value) and value.dim() > 0):
+                continue
+            assert isinstance(value, DTensor), (
+                f"{ctx.where()} {what} {name}.{key}: {type(value).__name__}, expected a DTensor "
+                "(FSDP built with device_mesh)"
+            )
+            assert value.device_mesh == ctx.mesh and tuple(value.placements) == (Shard(0),), (
+                f"{ctx.where()} {what} {name}.{key}: placements {value.placements}, expected "
+                "(Shard(0),) on the model's mesh"
+            )
+            whole = value.full_tensor()
+            expected = chunk_of(whole, 0, ctx.world_size, ctx.rank)
+            assert torch.equal(value.to_local(), expected), (
+                f"{ctx.where()} {what} {name}.{key}: local rows differ from this rank's chunk"
+            )
+            full["state"][name][key] = whole
+    return full
+
+
+@check(
+    area=AREA,
+    requires=REQUIRES | {base.SHARDED_STATE_DICT},
+    cases={"flat": {"orig_params": False}, "orig_params": {"orig_params": True}},
+    world_sizes=(2,),
+)
+def fsdp1_optim_mesh_dtensor(ctx, orig_params):
+    """S44: on an FSDP1 model built with ``device_mesh``, ``optim_state_dict`` under SHARDED gives
+    each moment as a DTensor ``(Shard(0),)`` on that mesh holding this rank's ``torch.chunk`` rows,
+    whose full tensors are the unsharded optimizer's state; it loads into a fresh mesh model
+    through ``optim_state_dict_to_load`` and one more step gives the unsharded model's
+    parameters; under LOCAL ``optim_state_dict`` raises RuntimeError naming LOCAL_STATE_DICT."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+
+    def build():
+        return ctx.impl.shard(
+            copy.deepcopy(oracle), ctx, plan=PLAN, use_orig_params=orig_params, mesh=ctx.mesh
+        )
+
+    model = build()
+    oopt = CountingAdam(_groups(oracle.named_parameters()))
+    opt = CountingAdam(_groups(model.named_parameters()))
+    for step in range(STEPS):
+        _step(ctx, oracle, oopt, step)
+        _step(ctx, model, opt, step)
+    osd = _osd(ctx, model, opt, "sharded")
+    what = "optim_state_dict (SHARDED, device_mesh)"
+    _assert_osd(ctx, _dtensor_entries(ctx, osd, what), oracle, oopt, True, what)
+    try:
+        _osd(ctx, model, opt, "local")
+    except RuntimeError as exc:
+        assert "LOCAL_STATE_DICT" in str(exc), (
+            f"{ctx.where()} LOCAL with device_mesh: RuntimeError {str(exc)[:160]!r}, expected it "
+            "to name LOCAL_STATE_DICT"
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} optim_state_dict under LOCAL on a device_mesh model returned; "
+            "expected RuntimeError"
+        )
+
+    msd = ctx.impl.state_dict(model, "full")
+    fresh = build()
+    ctx.impl.load_state_dict(fresh, msd, "full")
+    fopt = CountingAdam(_groups(fresh.named_parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _context(ctx, fresh, "sharded"):
+            flat = fsdp.optim_state_dict_to_load(fresh, fopt, osd)
+    fopt.load_state_dict(flat)
+    back = _osd(ctx, fresh, fopt, "full", offload=False)
+    _assert_osd(ctx, back, oracle, oopt, True, "after the SHARDED load (device_mesh)")
+    _assert_steps_like(ctx, oracle, oopt, [(fresh, fopt, True)], "the SHARDED load (device_mesh)")
