@@ -1,4 +1,4 @@
-"""Area "state_dict": how FSDP1's optimizer-state APIs key the optimizer's state (S39-S44).
+"""Area "state_dict": how FSDP1's optimizer-state APIs key the optimizer's state (S39-S45).
 
 [Note: the keys of an optimizer state dict]
 A plain ``torch.optim`` optimizer keys its ``state_dict()`` by the index of each parameter in
@@ -28,6 +28,9 @@ original parameters' FQNs (S24) and back, and accept other ways of saying which 
   entries stay as they are.
 * on a model built with ``device_mesh`` the SHARDED form holds DTensors ``(Shard(0),)`` on that
   mesh instead of ShardedTensors (as S6 for the model), and LOCAL is refused.
+* a FULL dict whose parameters of one flat parameter disagree on a state entry (shape, dtype,
+  non-tensor value, type) cannot be flattened and is refused with ValueError; an entry that is
+  None for all of them stays None.
 """
 
 from __future__ import annotations
@@ -447,3 +450,74 @@ def fsdp1_optim_mesh_dtensor(ctx, orig_params):
     back = _osd(ctx, fresh, fopt, "full", offload=False)
     _assert_osd(ctx, back, oracle, oopt, True, "after the SHARDED load (device_mesh)")
     _assert_steps_like(ctx, oracle, oopt, [(fresh, fopt, True)], "the SHARDED load (device_mesh)")
+
+
+def _corrupt(osd, how):
+    """A copy of the FULL dict ``osd`` with ``inner.bias``'s entry (same flat parameter as
+    ``inner.weight``) made inconsistent: ``how`` names the way."""
+    bad = {
+        "state": {k: dict(v) for k, v in osd["state"].items()},
+        "param_groups": osd["param_groups"],
+    }
+    entry = bad["state"]["inner.bias"]
+    if how == "shape":
+        entry["exp_avg"] = entry["exp_avg"].reshape(1, -1)
+    elif how == "dtype":
+        entry["exp_avg"] = entry["exp_avg"].double()
+    elif how == "value":
+        entry["seen"] = entry["seen"] + 1
+    else:  # "type": an int where the unit's other parameter has a tensor
+        entry["exp_avg"] = 1
+    return bad
+
+
+REFUSALS = (  # how, the words of the ValueError
+    ("shape", "same shape as its parameter"),
+    ("dtype", "same dtype"),
+    ("value", "same value"),
+    ("type", "Differing optimizer state types"),
+)
+
+
+@check(area=AREA, requires=REQUIRES, world_sizes=(2,))
+def fsdp1_optim_load_inconsistent_unit(ctx):
+    """S45: ``optim_state_dict_to_load`` under FULL (``use_orig_params=False``) refuses with
+    ValueError a dict in which ``inner.bias`` disagrees with ``inner.weight`` (one flat parameter)
+    or with its parameter: a moment of another shape ("same shape as its parameter"), of another
+    dtype ("same dtype"), a non-tensor entry of another value ("same value"), an entry of another
+    type ("Differing optimizer state types"); an entry that is None for every parameter loads and
+    ``optim_state_dict`` gives it back as None per parameter."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    oracle, oopt, model, opt = _trained(ctx)
+    osd = _osd(ctx, model, opt, "full", offload=False)
+    for how, words in REFUSALS:
+        fopt = CountingAdam(_groups(model.named_parameters()))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with _context(ctx, model, "full"):
+                    fsdp.optim_state_dict_to_load(model, fopt, _corrupt(osd, how))
+        except ValueError as exc:
+            assert words in str(exc), (
+                f"{ctx.where()} inner.bias of another {how}: ValueError {str(exc)[:200]!r}, "
+                f"expected it to say {words!r}"
+            )
+        else:
+            raise AssertionError(
+                f"{ctx.where()} optim_state_dict_to_load accepted inner.bias with a state entry "
+                f"of another {how} than inner.weight's; expected ValueError"
+            )
+    for entry in osd["state"].values():
+        entry["hint"] = None
+    fopt = CountingAdam(_groups(model.named_parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _context(ctx, model, "full"):
+            fopt.load_state_dict(fsdp.optim_state_dict_to_load(model, fopt, osd))
+    back = _osd(ctx, model, fopt, "full", offload=False)
+    for name, entry in back["state"].items():
+        assert "hint" in entry and entry.pop("hint") is None, (
+            f"{ctx.where()} {name}: state names {sorted(entry)} after loading 'hint': None for "
+            "every parameter, expected 'hint' back as None"
+        )
+    _assert_osd(ctx, back, oracle, oopt, True, "after loading a dict with a None entry")
