@@ -232,7 +232,7 @@ def fsdp1_optim_named_and_user_state(ctx, kind, orig_params, named, rank0_only=F
     """S40/S41: before any step ``optim_state_dict`` gives no state and groups listing the FQNs;
     after two steps, given the optimizer's state dict keyed by the wrapped model's parameter names
     (``optim_state_dict=``) or by index, with a state entry ``note`` tied to no parameter, it gives
-    the unsharded optimizer's FQN-keyed state plus ``note`` unchanged;
+    the unsharded optimizer's FQN-keyed state plus ``note`` unchanged (with a warning naming it);
     ``optim_state_dict_to_load(..., is_named_optimizer=)`` gives a dict keyed the same way that
     loads into a fresh model's optimizer (``note`` on every rank, also under ``rank0_only``) and
     one more step gives the unsharded model's parameters."""
@@ -260,14 +260,19 @@ def fsdp1_optim_named_and_user_state(ctx, kind, orig_params, named, rank0_only=F
     opt.state["note"] = note_value.clone()
     order = _names_in_order(model, opt)
     given = _to_names(opt.state_dict(), order) if named else opt.state_dict()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with _context(ctx, model, kind, rank0_only, offload):
             osd = fsdp.optim_state_dict(model, opt, optim_state_dict=given)
     what = f"optim_state_dict ({'named' if named else 'by index'}, {kind})"
     if rank0_only and ctx.rank != 0:
         assert not osd, f"{ctx.where()} rank0_only: expected {{}}, got keys {sorted(osd)}"
     else:
+        said = [str(w.message) for w in caught if "note" in str(w.message)]
+        assert said, (
+            f"{ctx.where()} {what}: no warning named the state entry 'note' that maps to no "
+            f"parameter; warnings: {[str(w.message)[:80] for w in caught]}"
+        )
         note = osd["state"].pop("note", None)
         assert torch.is_tensor(note) and torch.equal(note, note_value), (
             f"{ctx.where()} {what}: state entry 'note' {note!r}, expected {note_value} unchanged"
