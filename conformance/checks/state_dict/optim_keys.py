@@ -26,6 +26,8 @@ original parameters' FQNs (S24) and back, and accept other ways of saying which 
 * with ``use_orig_params=True`` a module FSDP ignores keeps its plain state (as S31 for flat
   parameters), moved to the CPU under FULL's default ``offload_to_cpu=True``; its non-tensor
   entries stay as they are.
+  An optimizer holding only part of a unit's trainable parameters is refused (RuntimeError
+  naming the parameter it lacks).
 * on a model built with ``device_mesh`` the SHARDED form holds DTensors ``(Shard(0),)`` on that
   mesh instead of ShardedTensors (as S6 for the model), and LOCAL is refused.
 * a FULL dict whose parameters of one flat parameter disagree on a state entry (shape, dtype,
@@ -102,7 +104,7 @@ def _assert_steps_like(ctx, oracle, oopt, models, what):
     area=AREA,
     requires=REQUIRES,
     cases={"params": {"form": "params"}, "groups": {"form": "groups"}},
-    world_sizes=(2,),
+    world_sizes=(1, 2),
 )
 def fsdp1_optim_input_forms(ctx, form):
     """S39: ``optim_input=`` (the optimizer's parameters in group order, or its param-group
@@ -526,3 +528,27 @@ def fsdp1_optim_load_inconsistent_unit(ctx):
             "every parameter, expected 'hint' back as None"
         )
     _assert_osd(ctx, back, oracle, oopt, True, "after loading a dict with a None entry")
+
+
+@check(area=AREA, requires=REQUIRES, world_sizes=(2,))
+def fsdp1_optim_orig_params_partial_unit(ctx):
+    """S43: with ``use_orig_params=True``, an optimizer that holds ``head.weight`` but not
+    ``head.bias`` (trainable, same unit) makes ``optim_state_dict`` raise RuntimeError on every
+    rank naming ``head.bias`` as not in the optimizer state."""
+    ctx.seed(0)
+    model = ctx.impl.shard(InnerHeadNet().to(ctx.device), ctx, plan=PLAN, use_orig_params=True)
+    params = [p for n, p in model.named_parameters() if ctx.impl.clean_fqn(n) != "head.bias"]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    _step(ctx, model, opt, 0)
+    try:
+        _osd(ctx, model, opt, "full", offload=False)
+    except RuntimeError as exc:
+        assert "head.bias" in str(exc) and "not in the optimizer state" in str(exc), (
+            f"{ctx.where()} RuntimeError {str(exc)[:200]!r}: expected it to name head.bias as "
+            "not in the optimizer state"
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} optim_state_dict returned although the optimizer lacks head.bias of "
+            "a unit whose head.weight it holds; expected RuntimeError"
+        )
