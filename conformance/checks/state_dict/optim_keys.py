@@ -552,3 +552,29 @@ def fsdp1_optim_orig_params_partial_unit(ctx):
             f"{ctx.where()} optim_state_dict returned although the optimizer lacks head.bias of "
             "a unit whose head.weight it holds; expected RuntimeError"
         )
+
+
+@check(area=AREA, requires=REQUIRES, world_sizes=(2,))
+def fsdp1_optim_full_entries_unshared(ctx):
+    """S39: no tensor of ``full_optim_state_dict``'s FULL dict serves two parameters' entries
+    (each parameter's ``step`` is its own tensor), so the documented flow, ``rekey_optim_state_dict
+    (full, PARAM_ID, unwrapped model)`` then a plain optimizer's ``load_state_dict`` (which keeps
+    ``step`` uncopied), trains as the unsharded optimizer: one more step gives its parameters."""
+    ns = ctx.impl.ns
+    fsdp = ns.FullyShardedDataParallel
+    oracle, oopt, model, opt = _trained(ctx)
+    full = _quiet(fsdp.full_optim_state_dict, model, opt, rank0_only=False)
+    seen = {}
+    for name, entry in full["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                other = seen.setdefault(id(value), f"{name}.{key}")
+                assert other == f"{name}.{key}", (
+                    f"{ctx.where()} full_optim_state_dict: {other} and {name}.{key} are one tensor "
+                    "object, expected each entry its own"
+                )
+    by_id = _quiet(fsdp.rekey_optim_state_dict, full, ns.OptimStateKeyType.PARAM_ID, oracle)
+    plain = copy.deepcopy(oracle)
+    popt = CountingAdam(_groups(plain.named_parameters()))
+    popt.load_state_dict(by_id)
+    _assert_steps_like(ctx, oracle, oopt, [(plain, popt, False)], "the rekeyed FULL dict's load")
