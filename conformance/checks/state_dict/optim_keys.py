@@ -9,7 +9,8 @@ original parameters' FQNs (S24) and back, and accept other ways of saying which 
   the list of its parameters or the list of its param-group dicts (index = position across the
   groups). Either gives the same dict as the optimizer itself; an empty list is refused with
   ValueError ("... should not be empty"), a list mixing parameters and dicts with TypeError
-  ("... Tensors or dicts").
+  ("... Tensors or dicts"). No tensor of a FULL dict serves two parameters, so a plain optimizer
+  that loads it (after ``rekey_optim_state_dict(..., PARAM_ID, ...)``) steps each on its own.
 * a dict keyed by parameter names (what a named optimizer, e.g. ``_NamedOptimizer``, saves): the
   state and the groups' ``params`` name each parameter by its name in the wrapped model's
   ``named_parameters()``. ``optim_state_dict(model, optim, optim_state_dict=<named dict>)`` gives
@@ -25,8 +26,7 @@ original parameters' FQNs (S24) and back, and accept other ways of saying which 
   each rank that lacks state and the FQNs it lacks, and no other rank.
 * with ``use_orig_params=True`` a module FSDP ignores keeps its plain state (as S31 for flat
   parameters), moved to the CPU under FULL's default ``offload_to_cpu=True``; its non-tensor
-  entries stay as they are.
-  An optimizer holding only part of a unit's trainable parameters is refused (RuntimeError
+  entries stay as they are. An optimizer holding only part of a unit's trainable parameters is refused (RuntimeError
   naming the parameter it lacks).
 * on a model built with ``device_mesh`` the SHARDED form holds DTensors ``(Shard(0),)`` on that
   mesh instead of ShardedTensors (as S6 for the model), and LOCAL is refused.
