@@ -343,14 +343,20 @@ def fsdp1_optim_missing_on_rank(ctx):
         )
 
 
-@check(area=AREA, requires=REQUIRES, world_sizes=(2,))
-def fsdp1_optim_orig_params_ignored(ctx):
-    """S43: with ``use_orig_params=True`` and ``ignored_modules=[side]``, ``optim_state_dict``
-    gives ``side``'s parameters their plain state (``step``, moments, the int ``seen``) equal to
-    the unsharded optimizer's, on the CPU under FULL's default ``offload_to_cpu=True``; with
-    ``offload_to_cpu=False`` the whole dict is the unsharded optimizer's and it loads into a fresh
-    model: one more step gives the unsharded model's parameters."""
-    oracle, oopt, model, opt = _trained(ctx, "ignored", True)
+@check(
+    area=AREA,
+    requires=REQUIRES,
+    cases={"orig_params": {"orig_params": True}, "flat": {"orig_params": False}},
+    world_sizes=(2,),
+)
+def fsdp1_optim_orig_params_ignored(ctx, orig_params):
+    """S43/S31: with ``use_orig_params`` True (and False) and ``ignored_modules=[side]``,
+    ``optim_state_dict`` gives ``side``'s parameters their plain state (``step``, moments, the
+    int ``seen``) equal to the unsharded optimizer's, on the CPU under FULL's default
+    ``offload_to_cpu=True``; with ``offload_to_cpu=False`` the whole dict is the unsharded
+    optimizer's and it loads into a fresh model: one more step gives the unsharded model's
+    parameters."""
+    oracle, oopt, model, opt = _trained(ctx, "ignored", orig_params)
     osd = _osd(ctx, model, opt, "full")  # offload_to_cpu=True, the default
     for name, param in oracle.side.named_parameters():
         mine, want = osd["state"].get(f"side.{name}"), oopt.state[param]
@@ -371,7 +377,7 @@ def fsdp1_optim_orig_params_ignored(ctx):
                 assert_close(ctx, f"side.{name}.{key}", value, want[key], tol)
     osd = _osd(ctx, model, opt, "full", offload=False)
     _assert_osd(ctx, osd, oracle, oopt, True, "optim_state_dict (full, offload_to_cpu=False)")
-    _load_and_step(ctx, oracle, oopt, model, osd, "full", False, "ignored", True)
+    _load_and_step(ctx, oracle, oopt, model, osd, "full", False, "ignored", orig_params)
 
 
 def _dtensor_entries(ctx, osd, what):
