@@ -498,8 +498,9 @@ def fsdp1_optim_load_inconsistent_unit(ctx):
     ValueError a dict in which ``inner.bias`` disagrees with ``inner.weight`` (one flat parameter)
     or with its parameter: a moment of another shape ("same shape as its parameter"), of another
     dtype ("same dtype"), a non-tensor entry of another value ("same value"), an entry of another
-    type ("Differing optimizer state types"); an entry that is None for every parameter loads and
-    ``optim_state_dict`` gives it back as None per parameter."""
+    type ("Differing optimizer state types"); a dict without ``"state"`` with ValueError naming
+    it; an entry that is None for every parameter loads and ``optim_state_dict`` gives it back as
+    None per parameter."""
     fsdp = ctx.impl.ns.FullyShardedDataParallel
     oracle, oopt, model, opt = _trained(ctx)
     osd = _osd(ctx, model, opt, "full", offload=False)
@@ -520,6 +521,22 @@ def fsdp1_optim_load_inconsistent_unit(ctx):
                 f"{ctx.where()} optim_state_dict_to_load accepted inner.bias with a state entry "
                 f"of another {how} than inner.weight's; expected ValueError"
             )
+    fopt = CountingAdam(_groups(model.named_parameters()))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with _context(ctx, model, "full"):
+                fsdp.optim_state_dict_to_load(model, fopt, {"param_groups": osd["param_groups"]})
+    except ValueError as exc:
+        assert '"state"' in str(exc), (
+            f"{ctx.where()} a dict without 'state': ValueError {str(exc)[:160]!r}, expected it to "
+            'name the key "state"'
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} optim_state_dict_to_load accepted a dict without 'state'; expected "
+            "ValueError"
+        )
     for entry in osd["state"].values():
         entry["hint"] = None
     fopt = CountingAdam(_groups(model.named_parameters()))
