@@ -347,7 +347,7 @@ def fsdp1_optim_missing_on_rank(ctx):
     area=AREA,
     requires=REQUIRES,
     cases={"orig_params": {"orig_params": True}, "flat": {"orig_params": False}},
-    world_sizes=(2,),
+    world_sizes=(1, 2),  # ws 1: the unsharded path of use_orig_params's gather
 )
 def fsdp1_optim_orig_params_ignored(ctx, orig_params):
     """S43/S31: with ``use_orig_params`` True (and False) and ``ignored_modules=[side]``,
