@@ -48,7 +48,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.DCP_HELPERS,
             base.FSDP1_GRAD_SCALER,
             base.FSDP1_EXEC_ORDER_CHECK,
-            base.FSDP1_FORWARD_PREFETCH,
+            base.FSDP1_PREFETCH,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -68,7 +68,7 @@ def _reference_fsdp1():
         base.FSDP1_GRAD_SCALER,
         # nor the forward-order validation or forward prefetching (docs/adapters.md)
         base.FSDP1_EXEC_ORDER_CHECK,
-        base.FSDP1_FORWARD_PREFETCH,
+        base.FSDP1_PREFETCH,
     }
     return impl
 

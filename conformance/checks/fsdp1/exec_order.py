@@ -11,7 +11,7 @@ An FSDP1 root remembers the order in which its units ran their first training fo
   forward that departs from the first one's order warns (UserWarning naming the rank, the unit
   expected and the unit met), for every departing unit of the first iteration that departs, and
   never again after that iteration. Eval-mode forwards are not checked.
-* forward prefetching (capability ``fsdp1-forward-prefetch``): with ``forward_prefetch=True``
+* forward prefetching (capability ``fsdp1-prefetch``): with ``forward_prefetch=True``
   each later forward issues, in a unit's pre-forward right after that unit's own all-gather, the
   all-gather of the unit that followed it in the first forward, so that unit's parameters are
   ready before its forward; every unit is still gathered once per forward.
@@ -25,6 +25,7 @@ all-gather is known by its output size, ``ws * ceil(N / ws)`` for a unit of N pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -88,12 +89,15 @@ def _batch(ctx, step):
     return torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
 
 
-def _step(ctx, model, oracle, opts, step, what):
-    """One SGD step on the global batch; the loss and parameters afterwards equal the oracle's."""
+def _step(ctx, model, oracle, opts, step, what, in_forward=None, in_backward=None):
+    """One SGD step on the global batch (the model's forward inside ``in_forward``, its backward
+    inside ``in_backward``); the loss and parameters afterwards equal the oracle's."""
     x = _batch(ctx, step)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    loss = model(x[mine]).square().mean()
-    loss.backward()
+    with in_forward or contextlib.nullcontext():
+        loss = model(x[mine]).square().mean()
+    with in_backward or contextlib.nullcontext():
+        loss.backward()
     oloss = oracle(x).square().mean(dim=1)
     oloss.mean().backward()
     assert_close(ctx, f"{what} step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
@@ -239,7 +243,8 @@ def _numel(value) -> int:
 
 
 class _EventSpy(TorchDispatchMode):
-    """The forward's all-gathers (by output size) and ``addmm`` s, in dispatch order."""
+    """All-gathers (by output size, as the unit's name) and matrix products ("mm", one token for
+    a run of them), in dispatch order."""
 
     def __init__(self, sizes: dict[int, str]):
         super().__init__()
@@ -252,61 +257,56 @@ class _EventSpy(TorchDispatchMode):
         if name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", ""):
             numel = _numel(args[0] if name.startswith("c10d.") else result)
             self.events.append(self.sizes.get(numel, f"<gather of {numel}>"))
-        elif name in ("aten.addmm", "aten.mm"):
+        elif name in ("aten.addmm", "aten.mm") and self.events[-1:] != ["mm"]:
             self.events.append("mm")
         return result
 
 
 def _expected_events(order, prefetch: bool) -> list[str]:
-    """By R43: without prefetching each unit gathers, then computes; with it, a unit's
-    pre-forward also gathers the next unit of the recorded order before computing."""
+    """By R43/R44, for units running (forward) or computing gradients (backward) in ``order``:
+    without prefetching each unit gathers, then computes; with it, a unit also gathers the next
+    unit of ``order`` right after its own gather, before computing."""
     events: list[str] = []
     for i, unit in enumerate(order):
         if unit not in events:
             events.append(unit)
         if prefetch and i + 1 < len(order):
             events.append(order[i + 1])
-        events.append("mm")
+        if events[-1] != "mm":
+            events.append("mm")
     return events
 
 
 @check(
     area="fsdp1_runtime",
-    requires=REQUIRES | {base.FSDP1_FORWARD_PREFETCH},
+    requires=REQUIRES | {base.FSDP1_PREFETCH},
     cases={"on": {"prefetch": True}, "off": {"prefetch": False}},
     world_sizes=(2,),
 )
-def forward_prefetch_order(ctx, prefetch):
-    """R43: units a, b, c (4x4, 4x8, 8x2) and a root without parameters, all built with
-    ``forward_prefetch=True`` (or False): the first forward gathers each unit right before its
-    computation (a, mm, b, mm, c, mm); with prefetching the second forward gathers the next unit
-    of the first forward's order right after a unit's own gather (a, b, mm, c, mm, mm), without
-    it as the first; every unit is gathered once per forward; losses and parameters after two
+def prefetch_order(ctx, prefetch):
+    """R43, R44: units a, b, c (4x4, 4x8, 8x2, resharded after forward) and a root without
+    parameters, all built with ``forward_prefetch=True, backward_prefetch=BACKWARD_PRE`` (or
+    False, None). Forward: the first gathers each unit right before its computation (a, mm, b,
+    mm, c, mm); with prefetching the second gathers the next unit of the first forward's order
+    right after a unit's own gather (a, b, mm, c, mm). Backward (every step): with BACKWARD_PRE
+    c, b, mm, a, mm (the unit before in the forward gathered right after a unit's own), with None
+    c, mm, b, mm, a, mm. Every unit is gathered once per pass; losses and parameters after two
     SGD steps equal the unsharded model's."""
     oracle = _oracle(ctx, dims=(4, 4, 8, 2))
     sizes = {_flat_gather_numel(getattr(oracle, n), ctx.world_size): n for n in "abc"}
     assert len(sizes) == 3, f"{ctx.where()} setup: two units gather the same size {sizes}"
-    model = _build(ctx, oracle, {"forward_prefetch": prefetch})
+    backward = ctx.impl.ns.BackwardPrefetch.BACKWARD_PRE if prefetch else None
+    model = _build(ctx, oracle, {"forward_prefetch": prefetch, "backward_prefetch": backward})
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
     order = ("a", "b", "c")
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    what = f"forward_prefetch={prefetch}, backward_prefetch={backward}"
     for step in range(2):
-        x = _batch(ctx, step)
-        with _EventSpy(sizes) as spy:
-            loss = model(x[mine]).square().mean()
-        want = _expected_events(order, prefetch and step > 0)
-        assert spy.events == want, (
-            f"{ctx.where()} forward_prefetch={prefetch} step {step}: forward events "
-            f"{spy.events}, expected {want}"
-        )
-        loss.backward()
-        oloss = oracle(x).square().mean(dim=1)
-        oloss.mean().backward()
-        what = f"forward_prefetch={prefetch}"
-        assert_close(ctx, f"{what} step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
-        for o in opts:
-            o.step()
-            o.zero_grad()
-        got = full_params(ctx, model)
-        for name, ref in oracle.named_parameters():
-            assert_close(ctx, f"{what} {name} after step {step}", got[name], ref, FP32["param"])
+        fwd, bwd = _EventSpy(sizes), _EventSpy(sizes)
+        _step(ctx, model, oracle, opts, step, what, fwd, bwd)
+        for phase, spy, want in (
+            ("forward", fwd, _expected_events(order, prefetch and step > 0)),
+            ("backward", bwd, _expected_events(order[::-1], prefetch)),
+        ):
+            assert spy.events == want, (
+                f"{ctx.where()} {what} step {step}: {phase} events {spy.events}, expected {want}"
+            )
