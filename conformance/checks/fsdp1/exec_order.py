@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": FSDP1's recorded forward order (R41-R43).
+"""Area "fsdp1_runtime": FSDP1's recorded forward order (R41-R44).
 
 [Note: the forward order FSDP1 records]
 An FSDP1 root remembers the order in which its units ran their first training forward (one
@@ -11,10 +11,11 @@ An FSDP1 root remembers the order in which its units ran their first training fo
   forward that departs from the first one's order warns (UserWarning naming the rank, the unit
   expected and the unit met), for every departing unit of the first iteration that departs, and
   never again after that iteration. Eval-mode forwards are not checked.
-* forward prefetching (capability ``fsdp1-prefetch``): with ``forward_prefetch=True``
-  each later forward issues, in a unit's pre-forward right after that unit's own all-gather, the
-  all-gather of the unit that followed it in the first forward, so that unit's parameters are
-  ready before its forward; every unit is still gathered once per forward.
+* prefetching (capability ``fsdp1-prefetch``): with ``forward_prefetch=True`` each later
+  forward issues, in a unit's pre-forward right after that unit's own all-gather, the all-gather
+  of the unit that followed it in the first forward; with ``backward_prefetch=BACKWARD_PRE`` each
+  backward issues, in a unit's pre-backward right after its own all-gather, the all-gather of the
+  unit that ran before it in that forward. Every unit is still gathered once per pass.
 Neither may change a value: the losses and parameters after SGD steps equal the unsharded model's
 trained on the global batch (``_shared/oracle.py``'s rule) run in the same order.
 
