@@ -185,7 +185,7 @@ def _expect_warning(ctx, text, expected, met):
 @check(
     area="fsdp1_runtime",
     requires=REQUIRES | {base.FSDP1_EXEC_ORDER_CHECK},
-    world_sizes=(1, 2),
+    world_sizes=(2,),
 )
 def forward_order_changes_warn(ctx):
     """R42: built under debug level DETAIL, units run in the same order on every rank: step 0
