@@ -135,8 +135,11 @@ def forward_order_differs_across_ranks(ctx):
     with _DetailDebug():
         model = _build(ctx, oracle)
     _set_order(model, ("a", "b", "c") if ctx.rank == 0 else ("b", "a", "c"))
+    unit_size = _flat_gather_numel(oracle.a, ctx.world_size)  # a, b and c alike
+    spy = _EventSpy({unit_size: "unit"})
     try:
-        model(_batch(ctx, 0)[:B])
+        with spy:
+            model(_batch(ctx, 0)[:B])
     except RuntimeError as exc:
         text = str(exc)
     else:
@@ -144,6 +147,9 @@ def forward_order_differs_across_ranks(ctx):
             f"{ctx.where()} rank 0 ran a first and rank 1 ran b first under DETAIL: no error; "
             f"expected RuntimeError '{ORDER_TEXT} across ranks'"
         )
+    assert "unit" not in spy.events, (
+        f"{ctx.where()} a unit's parameters were all-gathered ({spy.events}) before the error"
+    )
     assert f"{ORDER_TEXT} across ranks" in text, (
         f"{ctx.where()} RuntimeError {text!r} does not say '{ORDER_TEXT} across ranks'"
     )
