@@ -250,8 +250,8 @@ def _numel(value) -> int:
 
 
 class _EventSpy(TorchDispatchMode):
-    """All-gathers (by output size, as the unit's name) and matrix products ("mm", one token for
-    a run of them), in dispatch order."""
+    """All-gathers (by output size, as the unit's name) and matrix products ("mm"), in dispatch
+    order."""
 
     def __init__(self, sizes: dict[int, str]):
         super().__init__()
@@ -264,23 +264,29 @@ class _EventSpy(TorchDispatchMode):
         if name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", ""):
             numel = _numel(args[0] if name.startswith("c10d.") else result)
             self.events.append(self.sizes.get(numel, f"<gather of {numel}>"))
-        elif name in ("aten.addmm", "aten.mm") and self.events[-1:] != ["mm"]:
+        elif name in ("aten.addmm", "aten.mm"):
             self.events.append("mm")
         return result
 
 
-def _expected_events(order, prefetch: bool) -> list[str]:
-    """By R43/R44, for units running (forward) or computing gradients (backward) in ``order``:
-    without prefetching each unit gathers, then computes; with it, a unit also gathers the next
-    unit of ``order`` right after its own gather, before computing."""
+# A Linear's forward is one addmm; its backward one mm for the weight's gradient and one for the
+# input's when the input requires grad (a's input, the batch, does not).
+FORWARD_MM = {"a": 1, "b": 1, "c": 1}
+BACKWARD_MM = {"a": 1, "b": 2, "c": 2}
+
+
+def _expected_events(order, prefetch: bool, products: dict[str, int]) -> list[str]:
+    """By R43/R44, for units running (forward) or computing gradients (backward) in ``order``,
+    unit u with ``products[u]`` matrix products: without prefetching each unit gathers, then
+    computes; with it, a unit also gathers the next unit of ``order`` right after its own gather,
+    before computing."""
     events: list[str] = []
     for i, unit in enumerate(order):
         if unit not in events:
             events.append(unit)
         if prefetch and i + 1 < len(order):
             events.append(order[i + 1])
-        if events[-1] != "mm":
-            events.append("mm")
+        events += ["mm"] * products[unit]
     return events
 
 
@@ -295,10 +301,11 @@ def prefetch_order(ctx, prefetch):
     parameters, all built with ``forward_prefetch=True, backward_prefetch=BACKWARD_PRE`` (or
     False, None). Forward: the first gathers each unit right before its computation (a, mm, b,
     mm, c, mm); with prefetching the second gathers the next unit of the first forward's order
-    right after a unit's own gather (a, b, mm, c, mm). Backward (every step): with BACKWARD_PRE
-    c, b, mm, a, mm (the unit before in the forward gathered right after a unit's own), with None
-    c, mm, b, mm, a, mm. Every unit is gathered once per pass; losses and parameters after two
-    SGD steps equal the unsharded model's."""
+    right after a unit's own gather (a, b, mm, c, mm, mm). Backward (every step; c and b two
+    products each, a one): with BACKWARD_PRE c, b, mm, mm, a, mm, mm, mm (the unit before in the
+    forward gathered right after a unit's own), with None c, mm, mm, b, mm, mm, a, mm. Every
+    unit is gathered once per pass; losses and parameters after two SGD steps equal the
+    unsharded model's."""
     oracle = _oracle(ctx, dims=(4, 4, 8, 2))
     sizes = {_flat_gather_numel(getattr(oracle, n), ctx.world_size): n for n in "abc"}
     assert len(sizes) == 3, f"{ctx.where()} setup: two units gather the same size {sizes}"
@@ -311,8 +318,8 @@ def prefetch_order(ctx, prefetch):
         fwd, bwd = _EventSpy(sizes), _EventSpy(sizes)
         _step(ctx, model, oracle, opts, step, what, fwd, bwd)
         for phase, spy, want in (
-            ("forward", fwd, _expected_events(order, prefetch and step > 0)),
-            ("backward", bwd, _expected_events(order[::-1], prefetch)),
+            ("forward", fwd, _expected_events(order, prefetch and step > 0, FORWARD_MM)),
+            ("backward", bwd, _expected_events(order[::-1], prefetch, BACKWARD_MM)),
         ):
             assert spy.events == want, (
                 f"{ctx.where()} {what} step {step}: {phase} events {spy.events}, expected {want}"
