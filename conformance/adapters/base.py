@@ -74,6 +74,8 @@ FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradSca
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
+FSDP1_EXEC_ORDER_CHECK = "fsdp1-exec-order-check"  # DebugLevel.DETAIL validates the forward order
+FSDP1_PREFETCH = "fsdp1-prefetch"  # forward_prefetch / BACKWARD_PRE gather the next unit ahead
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -154,6 +156,14 @@ PROMISES = {
     FSDP2_DP_MESH_DIMS: "`ns.fully_shard(module, mesh=<full SPMD mesh>, dp_mesh_dims="
     "ns.DataParallelMeshDims(shard=, replicate=))` over parameters that are DTensors replicated "
     "on that mesh: sharded on the named shard dim, replicated (HSDP) on the named replicate dim",
+    FSDP1_EXEC_ORDER_CHECK: "an FSDP1 root built while `torch.distributed.get_debug_level()` is "
+    "DETAIL checks its units' training-forward order: a first forward whose order differs across "
+    "ranks raises RuntimeError naming each rank's unit, a later one that departs from the first "
+    "warns once per departing unit, in its first departing iteration only",
+    FSDP1_PREFETCH: "plan kwargs `forward_prefetch=True`: from the second forward on, a unit's "
+    "pre-forward also issues the all-gather of the unit that followed it in the first forward, "
+    "right after its own; `backward_prefetch=BACKWARD_PRE`: a unit's pre-backward issues the "
+    "all-gather of the unit that preceded it in that forward, right after its own",
 }
 
 

@@ -47,6 +47,8 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_HYBRID_SHARD,
             base.DCP_HELPERS,
             base.FSDP1_GRAD_SCALER,
+            base.FSDP1_EXEC_ORDER_CHECK,
+            base.FSDP1_PREFETCH,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -66,6 +66,9 @@ def _reference_fsdp1():
         base.FSDP1_HYBRID_SHARD,
         base.DCP_HELPERS,
         base.FSDP1_GRAD_SCALER,
+        # nor the forward-order validation or forward prefetching (docs/adapters.md)
+        base.FSDP1_EXEC_ORDER_CHECK,
+        base.FSDP1_PREFETCH,
     }
     return impl
 
