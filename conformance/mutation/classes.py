@@ -22,7 +22,17 @@ changes (the innermost statement holding the mutated line, and the branches encl
   or FX tracing selects; a statement calling into them; a decorator that turns dynamo off;
 * ``debug/logging``: ``logger.debug`` / ``.info``, ``_log_api_usage_once``, a ``record_function``
   range, or a branch on the distributed debug level;
-* ``typing-only``: under ``if TYPE_CHECKING:``, or a ``no_type_check`` / ``overload`` decorator.
+* ``typing-only``: under ``if TYPE_CHECKING:``, or a ``no_type_check`` / ``overload`` decorator;
+* ``no-caller``: private code nothing in the installed torch can run (:func:`no_caller`): a
+  private module of the target (``_name.py``) whose name no other torch source mentions (nothing
+  imports it), or a private top-level function or class whose name occurs in torch's sources only
+  where it is defined. Found by counting identifiers over every ``.py`` file of the installed
+  ``torch/`` package, so a name mentioned anywhere else (a call, an import, a string in
+  ``__all__``, a comment) keeps it judged: the rule can only under-class. Public names are never
+  classed (a user calls them), nor is a name any conformance check mentions (the suite treats it
+  as API: DSD's ``_patch_model_state_dict``, say). Methods and nested functions are never classed
+  by their own name (an attribute call or a ``getattr`` can reach them); they are when their module
+  or enclosing top-level function has no caller.
 
 A statement that also computes data (a collective that is passed a stream among its arguments)
 is never classed: only statements whose whole effect is one of the above are. Nor is a mutant of
@@ -35,8 +45,10 @@ A branch is the one the test selects: the body of ``if p:``, the ``else`` of ``i
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import re
+from pathlib import Path
 
 CUDA = re.compile(r"""["']cuda["']|\bis_cuda\b|\btorch\.cuda\.""")
 COMPILE = re.compile(
@@ -50,7 +62,71 @@ LOG_CALL = re.compile(
 )
 ACCELERATOR_KEY = re.compile(r"""["'](CUDA|XPU|HPU|MTIA|PrivateUse1)["']""")
 TYPING_DECORATORS = re.compile(r"^(typing\.)?(no_type_check|overload|override|final)$")
-CLASSES = ("cuda-only", "stream/event", "compile/tracing", "debug/logging", "typing-only")
+NO_CALLER = "no-caller"
+CLASSES = (
+    "cuda-only",
+    "stream/event",
+    "compile/tracing",
+    "debug/logging",
+    "typing-only",
+    NO_CALLER,
+)
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@functools.lru_cache(maxsize=2)
+def _mentions(site: Path) -> tuple[collections.Counter, dict[str, set[str]]]:
+    """Over every ``.py`` file of ``site``/torch: how often each identifier occurs, and in which
+    files (relative, "/" separated)."""
+    counts: collections.Counter = collections.Counter()
+    where: dict[str, set[str]] = collections.defaultdict(set)
+    for path in (site / "torch").rglob("*.py"):
+        rel = path.relative_to(site).as_posix()
+        try:
+            words = IDENT.findall(path.read_text(errors="replace"))
+        except OSError:
+            continue
+        counts.update(words)
+        for word in set(words):
+            if word.startswith("_"):  # module and private names: the ones the rule asks about
+                where[word].add(rel)
+    return counts, where
+
+
+CHECKS = Path(__file__).resolve().parents[1] / "checks"
+
+
+@functools.lru_cache(maxsize=2)
+def _suite_names(checks: Path = CHECKS) -> frozenset[str]:
+    """Every identifier the conformance checks' sources mention."""
+    return frozenset(w for p in checks.rglob("*.py") for w in IDENT.findall(p.read_text()))
+
+
+def no_caller(site: Path, file: str, line: int, checks: Path = CHECKS) -> bool:
+    """Whether ``line`` of ``file`` (relative to ``site``, the directory torch is installed in)
+    lies in private code nothing in the installed torch can run, and no check in ``checks``
+    names (see the class in the module's Note)."""
+    counts, where = _mentions(site)
+    suite = _suite_names(checks)
+    stem = Path(file).stem
+    imported = where.get(stem, set()) - {file}
+    if stem.startswith("_") and stem != "__init__" and stem not in suite and not imported:
+        return True  # no other torch source names the module: nothing imports it
+    for name, first, last in _top_level(site / file):
+        if first <= line <= last:  # its definition is its only mention
+            return name.startswith("_") and name not in suite and counts.get(name, 0) <= 1
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _top_level(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, first line with decorators, last line) of each top-level function and class."""
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out.append((node.name, first, node.end_lineno))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=8)

@@ -449,7 +449,11 @@ def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False)
         compile(mutated, mutant.file, "exec")
     except SyntaxError as exc:
         return {"record": record | {"status": "incompetent", "note": f"does not compile: {exc}"}}
-    kind = classes.classify(original, mutant.line, mutant.operator) if classed else None
+    kind = None
+    if classed:
+        kind = classes.classify(original, mutant.line, mutant.operator)
+        if not kind and classes.no_caller(population.site_root(), mutant.file, mutant.line):
+            kind = classes.NO_CALLER
     if kind:
         return {"record": record | {"status": "classed", "class": kind, "note": kind}}
     where = population.reach(original, mutant.line)

@@ -73,7 +73,10 @@ def place(mutants, src: Path, maps: list[dict], target: str) -> list[dict]:
     rows = []
     for m in mutants:
         text = texts.setdefault(m.file, (src / m.file).read_text())
-        if target == "torch" and classes.classify(text, m.line, m.operator):
+        if target == "torch" and (
+            classes.classify(text, m.line, m.operator)
+            or classes.no_caller(population.site_root(), m.file, m.line)
+        ):
             continue
         where = population.reach(text, m.line)
         if where.import_time:

@@ -123,7 +123,8 @@ def test_unreached_places_each_mutant_by_the_lines_the_cases_ran(tmp_path):
     part = population.part_of(x)
     assert got[f"{x}:9"] == (True, "f", part)  # the if's header ran
     assert got[f"{x}:10"] == (False, "f", part)  # its body did not
-    assert got[f"{x}:3"][0] is True  # module level: case "b" ran no reference line (import-time rule)
+    # module level: case "b" ran no reference line (import-time rule)
+    assert got[f"{x}:3"][0] is True
     text = unreached.render({"target": "reference", "mutants": rows}, top=5)
     assert "| all | 2 | 3 | 66.7 % |" in text and "| 1 | " in text
 
@@ -391,6 +392,41 @@ def test_classifier_names_what_cpu_cannot_observe_and_judges_the_rest():
     assert at("@no_type_check", "core/RemoveDecorator") == "typing-only"
     assert at('@torch.library.impl(lib, "copy_", "XPU")', "core/RemoveDecorator") == "cuda-only"
     assert at("@_dynamo_disable", "core/RemoveDecorator") == "compile/tracing"
+
+
+def test_no_caller_classes_only_private_code_nothing_names(tmp_path):
+    """A private module nothing imports, and a private top-level function named only where it is
+    defined, are classed; a public name, a name called elsewhere, a name a check mentions, and a
+    method are judged."""
+    from conformance.mutation.classes import _mentions, no_caller
+
+    fsdp = tmp_path / "site" / "torch" / "distributed" / "fsdp"
+    fsdp.mkdir(parents=True)
+    (fsdp / "_orphan.py").write_text("def f():\n    return 1\n")
+    (fsdp / "_utils.py").write_text(
+        "def _dead():\n    return 1\n\n\n"
+        "def _used():\n    return 2\n\n\n"
+        "def public():\n    return 3\n\n\n"
+        "def _named_by_a_check():\n    return 4\n\n\n"
+        "class K:\n    def _m(self):\n        return 5\n"
+    )
+    (fsdp / "api.py").write_text("from ._utils import _used\n_used()\n")
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    (checks / "c.py").write_text("import x\nx._named_by_a_check()\n")
+    site, utils = tmp_path / "site", "torch/distributed/fsdp/_utils.py"
+
+    def classed(file, line):
+        return no_caller(site, file, line, checks=checks)
+
+    assert classed("torch/distributed/fsdp/_orphan.py", 2)  # nothing imports the module
+    assert classed(utils, 2)  # _dead: its definition is its only mention
+    assert not classed(utils, 6)  # _used: api.py calls it
+    assert not classed(utils, 10)  # public: a user calls it
+    assert not classed(utils, 14)  # a check names it
+    assert not classed(utils, 19)  # a method of a public class
+    assert not classed("torch/distributed/fsdp/api.py", 2)  # module level of a public module
+    _mentions.cache_clear()
 
 
 def test_the_torch_overlay_loads_one_module_from_a_private_file(tmp_path):
