@@ -74,6 +74,7 @@ FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradSca
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
+FSDP1_MODULE_TO = "fsdp1-module-to"  # model.to(dtype) on an FSDP1 model (use_orig_params=True)
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -154,6 +155,9 @@ PROMISES = {
     FSDP2_DP_MESH_DIMS: "`ns.fully_shard(module, mesh=<full SPMD mesh>, dp_mesh_dims="
     "ns.DataParallelMeshDims(shard=, replicate=))` over parameters that are DTensors replicated "
     "on that mesh: sharded on the named shard dim, replicated (HSDP) on the named replicate dim",
+    FSDP1_MODULE_TO: "`model.to(dtype)` on the wrapped FSDP1 model (`use_orig_params=True`) "
+    "converts each unit's flat parameter and so every original parameter, which keep their names "
+    "and train in that dtype",
 }
 
 

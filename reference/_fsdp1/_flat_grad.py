@@ -99,16 +99,42 @@ class FlatGradHandling:
         """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
         gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
         grad = self.flat_param.grad
+        if not _any_rank_has(grad, self):  # no gradient anywhere yet: every .grad stays None
+            for p in self._orig_params:
+                p.grad = None
+            return
         local = grad if grad is not None else torch.zeros_like(self.flat_param)
         padded = self._gather(local.detach(), local.dtype)
         for p, g in zip(self._orig_params, self.unflatten(padded)):
             p.grad = g
 
+    @torch.no_grad()
     def prepare_orig_grads_for_forward(self) -> None:
         """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
-        the flat gradient they were views of is dropped too."""
-        if self._use_orig_params and all(p.grad is None for p in self._orig_params):
+        the flat gradient they were views of is dropped too; when only some, their parts of the
+        flat gradient are zeroed (a None ``.grad`` counts as zero for the next accumulation)."""
+        if not self._use_orig_params:
+            return
+        grad = self.flat_param.grad
+        if all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
+        elif grad is not None and not self.uses_sharded_strategy:
+            for p, g in zip(self._orig_params, self.unflatten(grad)):
+                if p.grad is None:
+                    g.zero_()
+        elif grad is not None:
+            for p, info in zip(self._orig_params, self.flat_param._shard_param_infos):
+                if p.grad is None and info.in_shard:
+                    grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].zero_()
+
+
+def _any_rank_has(grad: torch.Tensor | None, handle) -> bool:
+    """Whether some rank of the handle's group holds a flat gradient (NO_SHARD: this rank)."""
+    if not handle.uses_sharded_strategy:
+        return grad is not None
+    flag = torch.tensor([float(grad is not None)], device=handle.flat_param.device)
+    dist.all_reduce(flag, group=handle.process_group)
+    return bool(flag.item())
 
 
 def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:

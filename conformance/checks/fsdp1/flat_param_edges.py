@@ -1,0 +1,259 @@
+"""Area "fsdp1_runtime": what ``use_orig_params=True`` promises about the original parameters'
+values and gradients around the flat parameter (R45-R49).
+
+[Note: the original parameters are the user's]
+With ``use_orig_params=True`` the user sees, and may change, the original Parameter objects; FSDP1
+keeps the flat parameter in step with them. So each rule here is the unsharded model's own
+behaviour seen through the sharding:
+* a ``.grad`` the user set to None counts as zero: the next backward gives that parameter only the
+  new gradient, the others the sum (plain autograd accumulation);
+* a ``.data`` replaced by a tensor of another shape cannot be written back: the next forward
+  raises RuntimeError "Cannot writeback when the parameter shape changes";
+* a strategy that keeps the parameters gathered after forward (SHARD_GRAD_OP) still trains like
+  the unsharded model, and refuses a ``.data`` replaced between forward and backward
+  (AssertionError "... does not support changing the parameters between forward and backward");
+* ``summon_full_params(with_grads=True)`` shows each parameter's full gradient, None where none
+  was computed yet, also under NO_SHARD and for a parameter registered under two names;
+* ``model.to(dtype)`` after wrapping converts the flat parameter and so every original
+  parameter: training then runs in that dtype like the unsharded model converted alike.
+The model is ``TwoUnits`` (``inner`` its own unit, the root owning ``head``). Each rank feeds its
+own two samples of one global batch; its loss is the sum over its samples divided by the global
+batch size times the world size, so the averaged gradient is the oracle's on the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks._shared.sd_models import full_params
+from conformance.checks.fsdp1.summon_full_params import TwoUnits, visible
+from conformance.checks.fsdp1.training import assert_orig_param_grads
+from conformance.registry import check
+
+REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING}
+B = 2  # samples per rank
+
+
+def _build(ctx, strategy: str | None = None, model: nn.Module | None = None):
+    """(sharded model, unsharded copy): ``inner`` its own unit, both units ``strategy``."""
+    ctx.seed(0)
+    model = (model or TwoUnits()).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    extra = (
+        {}
+        if strategy is None
+        else {"sharding_strategy": getattr(ctx.impl.ns.ShardingStrategy, strategy)}
+    )
+    plan = [("inner", {}), ("", extra)]
+    return ctx.impl.shard(model, ctx, plan=plan, use_orig_params=True), oracle
+
+
+def _batch(ctx, step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(B * ctx.world_size, 5, generator=g).to(ctx.device, dtype)
+    return x, x[B * ctx.rank : B * (ctx.rank + 1)]
+
+
+def _loss(out: torch.Tensor, ws: int) -> torch.Tensor:
+    """Sum of squares over ``ws`` ranks' worth of samples, scaled so the rank average (FSDP's
+    reduction) of the local losses' gradients is the global loss's gradient."""
+    return out.square().sum() / (B * ws)
+
+
+def _step(ctx, model, oracle, step: int) -> None:
+    """One forward and backward of the sharded model (own samples) and the oracle (all)."""
+    x, mine = _batch(ctx, step)
+    _loss(model(mine), 1).backward()
+    _loss(oracle(x), ctx.world_size).backward()
+
+
+def _named(ctx, model) -> dict[str, nn.Parameter]:
+    return visible(ctx, model)
+
+
+# ------------------------------------------------------------------------------ R45
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES,
+    cases={"full-shard": {"strategy": None}, "no-shard": {"strategy": "NO_SHARD"}},
+    world_sizes=(1, 2),
+)
+def orig_params_grad_set_to_none(ctx, strategy):
+    """R45: after a backward the user sets ``.grad = None`` on two original parameters (one of
+    the nested unit, one of the root) and runs another forward and backward without zeroing:
+    between that forward and its backward those two parameters still have no gradient, and after
+    it they hold only the second backward's gradient while every other parameter holds the sum
+    of both, as the unsharded model given the same treatment."""
+    model, oracle = _build(ctx, strategy)
+    _step(ctx, model, oracle, 0)
+    dropped = ("inner.bias", "head.weight")
+    for name in dropped:
+        _named(ctx, model)[name].grad = None
+        oracle.get_parameter(name).grad = None
+    x, mine = _batch(ctx, 1)
+    out = model(mine)
+    for name in dropped:
+        grad = _named(ctx, model)[name].grad
+        assert grad is None, (
+            f"{ctx.where()} after the forward following {name}.grad = None: its gradient is "
+            f"{tuple(grad.shape)} {grad.reshape(-1)[:4].tolist()}..., expected None"
+        )
+    _loss(out, 1).backward()
+    _loss(oracle(x), ctx.world_size).backward()
+    assert_orig_param_grads(ctx, model, oracle, "after a backward following .grad = None")
+
+
+# ------------------------------------------------------------------------------ R46
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def orig_params_shape_change_refused(ctx):
+    """R46: replacing an original parameter's ``.data`` by a tensor of another shape (here one
+    element more than it holds on this rank) cannot be written back into the flat parameter:
+    the next forward raises RuntimeError "Cannot writeback when the parameter shape changes"."""
+    model, oracle = _build(ctx)
+    _step(ctx, model, oracle, 0)
+    p = _named(ctx, model)["inner.weight"]
+    with torch.no_grad():
+        p.data = torch.zeros(p.numel() + 1, device=p.device, dtype=p.dtype)
+    _, mine = _batch(ctx, 1)
+    try:
+        model(mine)
+    except RuntimeError as exc:
+        assert "Cannot writeback when the parameter shape changes" in str(exc), (
+            f"{ctx.where()} forward after a shape-changing .data: RuntimeError {exc!r} does not "
+            "say 'Cannot writeback when the parameter shape changes'"
+        )
+        return
+    raise AssertionError(
+        f"{ctx.where()} forward after inner.weight.data got {p.numel()} elements: accepted, "
+        "expected RuntimeError 'Cannot writeback when the parameter shape changes'"
+    )
+
+
+# ------------------------------------------------------------------------------ R47
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def orig_params_shard_grad_op(ctx):
+    """R47: ``use_orig_params=True`` with SHARD_GRAD_OP on both units (the nested one keeps its
+    gathered parameters from forward to backward): two SGD steps give the unsharded model's
+    parameters; then, where the unit shards (ws 2), replacing ``inner.weight.data`` between a
+    forward and its backward is refused with AssertionError naming "changing the parameters
+    between forward and backward"."""
+    model, oracle = _build(ctx, "SHARD_GRAD_OP")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
+    for step in range(2):
+        _step(ctx, model, oracle, step)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"after 2 SHARD_GRAD_OP steps: {name}", got[name], ref, FP32["param"])
+    if ctx.world_size == 1:
+        return  # NO_SHARD at world size 1: nothing is gathered, nothing to refuse
+    _, mine = _batch(ctx, 2)
+    out = model(mine)
+    p = _named(ctx, model)["inner.weight"]
+    with torch.no_grad():
+        p.data = p.data.clone()
+    try:
+        _loss(out, 1).backward()
+    except AssertionError as exc:
+        assert "changing the parameters between forward and backward" in str(exc), (
+            f"{ctx.where()} backward after .data replaced since forward: {exc!r} does not "
+            "say 'changing the parameters between forward and backward'"
+        )
+        return
+    raise AssertionError(
+        f"{ctx.where()} SHARD_GRAD_OP: backward after inner.weight.data was replaced since "
+        "its forward was accepted; expected AssertionError 'does not support changing the "
+        "parameters between forward and backward'"
+    )
+
+
+# ------------------------------------------------------------------------------ R48
+class _Shared(nn.Module):
+    """``TwoUnits`` plus ``alias``, a Linear whose weight is ``head.weight`` (same unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.head = nn.Linear(7, 3)
+        self.alias = nn.Linear(7, 3, bias=False)
+        self.alias.weight = self.head.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.head(h) + self.alias(h.flip(-1))
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES,
+    cases={"full-shard": {"strategy": None}, "no-shard": {"strategy": "NO_SHARD"}},
+    world_sizes=(1, 2),
+)
+def summon_with_grads_edges(ctx, strategy):
+    """R48: ``summon_full_params(model, with_grads=True)`` with ``use_orig_params=True``, on a
+    root owning a weight registered under two names (``head.weight`` is ``alias.weight``):
+    before any backward every parameter has ``.grad`` None inside; after a backward every name,
+    the alias included, has the full gradient of the unsharded model (the alias the same values
+    as ``head.weight``), also under NO_SHARD."""
+    model, oracle = _build(ctx, strategy, _Shared())
+    FSDP = ctx.impl.ns.FullyShardedDataParallel
+    with FSDP.summon_full_params(model, with_grads=True):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            assert p.grad is None, (
+                f"{ctx.where()} summon(with_grads) before any backward: {name}.grad is "
+                f"{tuple(p.grad.shape)}, expected None"
+            )
+    _step(ctx, model, oracle, 0)
+    refs = dict(oracle.named_parameters(remove_duplicate=False))
+    with FSDP.summon_full_params(model, with_grads=True):
+        mods = dict(model.named_modules())
+        for name, ref in refs.items():
+            mod, _, attr = name.rpartition(".")
+            holder = next(m for n, m in mods.items() if ctx.impl.clean_fqn(n) == mod)
+            grad = getattr(holder, attr).grad
+            assert grad is not None, f"{ctx.where()} inside summon(with_grads): {name}.grad None"
+            assert_close(
+                ctx, f"inside summon(with_grads): {name}.grad", grad, ref.grad, FP32["grad"]
+            )
+
+
+# ------------------------------------------------------------------------------ R49
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.FSDP1_MODULE_TO}, world_sizes=(1, 2))
+def orig_params_module_to_dtype(ctx):
+    """R49: ``model.to(torch.float64)`` on the wrapped model (``use_orig_params=True``) after
+    construction and before the first forward converts every unit's flat parameter and so every
+    original parameter (each named parameter float64, same names); a forward, backward and SGD
+    step then equal the unsharded model converted alike: float64 output, float64 gradients and
+    parameters with the oracle's values."""
+    model, oracle = _build(ctx)
+    names = sorted(_named(ctx, model))
+    model.to(torch.float64)
+    oracle.to(torch.float64)
+    after = _named(ctx, model)
+    assert sorted(after) == names, f"{ctx.where()} names after .to(): {sorted(after)} vs {names}"
+    for name, p in after.items():
+        assert p.dtype == torch.float64, f"{ctx.where()} after .to(float64): {name} is {p.dtype}"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
+    x, mine = _batch(ctx, 0, torch.float64)
+    out = model(mine)
+    assert out.dtype == torch.float64, f"{ctx.where()} forward output {out.dtype}, expected float64"
+    _loss(out, 1).backward()
+    _loss(oracle(x), ctx.world_size).backward()
+    for name, p in _named(ctx, model).items():
+        assert p.grad is None or p.grad.dtype == torch.float64, (
+            f"{ctx.where()} {name}.grad is {p.grad.dtype}, expected float64"
+        )
+    assert_orig_param_grads(ctx, model, oracle, "after .to(float64)")
+    for opt in opts:
+        opt.step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert got[name].dtype == torch.float64, f"{ctx.where()} {name} is {got[name].dtype}"
+        assert_close(ctx, f"after .to(float64) and a step: {name}", got[name], ref, FP32["param"])
