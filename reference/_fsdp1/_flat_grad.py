@@ -97,7 +97,10 @@ class FlatGradHandling:
     @torch.no_grad()
     def use_unsharded_grad_views(self) -> None:
         """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
-        gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
+        gradient (zeros stand in for a missing local gradient, e.g. every ``.grad`` of this rank
+        cleared by the user, so every rank joins the gather; None when no rank has one)."""
+        if all(p.grad is None for p in self._orig_params):  # cleared by the user: none here
+            self.flat_param.grad = None
         grad = self.flat_param.grad
         if not _any_rank_has(grad, self):  # no gradient anywhere yet: every .grad stays None
             for p in self._orig_params:
@@ -110,22 +113,43 @@ class FlatGradHandling:
 
     @torch.no_grad()
     def prepare_orig_grads_for_forward(self) -> None:
-        """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
-        the flat gradient they were views of is dropped too; when only some, their parts of the
-        flat gradient are zeroed (a None ``.grad`` counts as zero for the next accumulation)."""
+        """use_orig_params=True: the original ``.grad`` s are what the next backward accumulates
+        onto. Every one None (``zero_grad``): the flat gradient is dropped. Otherwise a None one
+        zeroes its part of the flat gradient and one the user assigned (a tensor that is not a
+        view into the flat gradient) is copied into its part (a zero flat gradient is made when
+        there is none)."""
         if not self._use_orig_params:
             return
-        grad = self.flat_param.grad
         if all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
-        elif grad is not None and not self.uses_sharded_strategy:
-            for p, g in zip(self._orig_params, self.unflatten(grad)):
-                if p.grad is None:
-                    g.zero_()
-        elif grad is not None:
-            for p, info in zip(self._orig_params, self.flat_param._shard_param_infos):
-                if p.grad is None and info.in_shard:
-                    grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].zero_()
+            return
+        grad = self.flat_param.grad
+        storage = None if grad is None else grad.untyped_storage().data_ptr()
+        assigned = [
+            p.grad is not None and p.grad.untyped_storage().data_ptr() != storage
+            for p in self._orig_params
+        ]
+        if grad is None:
+            if not any(assigned):
+                return
+            grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
+        for p, part, new in zip(self._orig_params, self._grad_parts(grad), assigned):
+            if part is None:
+                continue
+            if p.grad is None:
+                part.zero_()
+            elif new:
+                part.copy_(p.grad.reshape(part.shape))
+
+    def _grad_parts(self, grad: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each original parameter's part of the flat gradient ``grad`` (its full-shape view
+        under NO_SHARD, its 1-D part of this rank's shard otherwise; None without elements)."""
+        if not self.uses_sharded_strategy:
+            return list(self.unflatten(grad))
+        return [
+            grad[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard] if i.in_shard else None
+            for i in self.flat_param._shard_param_infos
+        ]
 
 
 def _any_rank_has(grad: torch.Tensor | None, handle) -> bool:

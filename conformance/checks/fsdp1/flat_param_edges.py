@@ -23,9 +23,11 @@ batch size times the world size, so the averaged gradient is the oracle's on the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
@@ -37,6 +39,7 @@ from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING}
 B = 2  # samples per rank
+FP64 = dict(rtol=1e-10, atol=1e-12)  # float64 computed and reduced in float64
 
 
 def _build(ctx, strategy: str | None = None, model: nn.Module | None = None):
@@ -84,17 +87,24 @@ def _named(ctx, model) -> dict[str, nn.Parameter]:
     world_sizes=(1, 2),
 )
 def orig_params_grad_set_to_none(ctx, strategy):
-    """R45: after a backward the user sets ``.grad = None`` on two original parameters (one of
-    the nested unit, one of the root) and runs another forward and backward without zeroing:
-    between that forward and its backward those two parameters still have no gradient, and after
-    it they hold only the second backward's gradient while every other parameter holds the sum
-    of both, as the unsharded model given the same treatment."""
+    """R45: the user's ``.grad`` is what the next backward accumulates onto. After a backward the
+    user sets ``.grad = None`` on two original parameters (one of the nested unit, one of the
+    root) and assigns ``inner.weight.grad`` a new tensor of 0.5s, then runs another forward and
+    backward without zeroing: between that forward and its backward the two still have no
+    gradient; after it they hold only the second backward's gradient, ``inner.weight`` 0.5 plus
+    it, every other parameter the sum of both backwards. Then, after ``zero_grad()`` (every
+    ``.grad`` None), ``head.bias.grad`` assigned 0.25s: the next backward gives it 0.25 plus its
+    gradient and the others their gradient. Each as the unsharded model given the same
+    treatment (this rank's part of it)."""
     model, oracle = _build(ctx, strategy)
     _step(ctx, model, oracle, 0)
     dropped = ("inner.bias", "head.weight")
-    for name in dropped:
-        _named(ctx, model)[name].grad = None
-        oracle.get_parameter(name).grad = None
+    for m in (model, oracle):
+        params = _named(ctx, m) if m is model else dict(m.named_parameters())
+        for name in dropped:
+            params[name].grad = None
+        p = params["inner.weight"]
+        p.grad = torch.full_like(p, 0.5)
     x, mine = _batch(ctx, 1)
     out = model(mine)
     for name in dropped:
@@ -105,7 +115,34 @@ def orig_params_grad_set_to_none(ctx, strategy):
         )
     _loss(out, 1).backward()
     _loss(oracle(x), ctx.world_size).backward()
-    assert_orig_param_grads(ctx, model, oracle, "after a backward following .grad = None")
+    assert_orig_param_grads(ctx, model, oracle, "after .grad = None / a new .grad and a backward")
+    for m in (model, oracle):
+        m.zero_grad(set_to_none=True)
+        p = _named(ctx, m)["head.bias"] if m is model else m.head.bias
+        p.grad = torch.full_like(p, 0.25)
+    _step(ctx, model, oracle, 2)
+    assert_orig_param_grads(
+        ctx, model, oracle, "after zero_grad, head.bias.grad = 0.25s, a backward"
+    )
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.FSDP1_API}, world_sizes=(1, 2))
+def orig_params_no_sync(ctx):
+    """R45: ``use_orig_params=True``: three micro-batches, the first two inside ``model.no_sync()``
+    (the nested unit resharded after each forward while holding the accumulated unsharded
+    gradient): the gradients after the third (synced) backward are the unsharded model's summed
+    over the three, and one SGD step gives its parameters."""
+    model, oracle = _build(ctx)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
+    for micro in range(3):
+        with model.no_sync() if micro < 2 else contextlib.nullcontext():
+            _step(ctx, model, oracle, micro)
+    assert_orig_param_grads(ctx, model, oracle, "after 2 no_sync micro-batches and a synced one")
+    for opt in opts:
+        opt.step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"after the no_sync step: {name}", got[name], ref, FP32["param"])
 
 
 # ------------------------------------------------------------------------------ R46
@@ -222,6 +259,30 @@ def summon_with_grads_edges(ctx, strategy):
             assert_close(
                 ctx, f"inside summon(with_grads): {name}.grad", grad, ref.grad, FP32["grad"]
             )
+    if strategy is not None or ctx.world_size == 1:
+        return
+    # The last rank clears every .grad (zero_grad): it contributes zeros for its elements.
+    held = {n: (v.offset, v.local.numel()) for n, v in ctx.impl.local_shards(model).items()}
+    ranges = [None] * ctx.world_size
+    dist.all_gather_object(ranges, held)
+    last = ranges[-1]
+    if ctx.rank == ctx.world_size - 1:
+        model.zero_grad(set_to_none=True)
+    with FSDP.summon_full_params(model, with_grads=True):
+        got = visible(ctx, model)
+        for name, ref in oracle.named_parameters():
+            want = ref.grad.detach().clone().reshape(-1)
+            offset, n = last[name]
+            want[offset : offset + n] = 0
+            grad = got[name].grad
+            assert grad is not None, f"{ctx.where()} summon(with_grads): {name}.grad None"
+            assert_close(
+                ctx,
+                f"summon(with_grads), rank {ctx.world_size - 1}'s gradients cleared: {name}.grad",
+                grad.reshape(-1),
+                want,
+                FP32["grad"],
+            )
 
 
 # ------------------------------------------------------------------------------ R49
@@ -250,10 +311,19 @@ def orig_params_module_to_dtype(ctx):
         assert p.grad is None or p.grad.dtype == torch.float64, (
             f"{ctx.where()} {name}.grad is {p.grad.dtype}, expected float64"
         )
-    assert_orig_param_grads(ctx, model, oracle, "after .to(float64)")
+    views = ctx.impl.local_shards(model)
+    grads = {name: p.grad for name, p in _named(ctx, model).items()}
+    for name, ref in oracle.named_parameters():
+        view, grad = views[name], grads[name]
+        n = view.local.numel()
+        want = ref.grad.detach().reshape(-1)[view.offset : view.offset + n]
+        if n == 0:
+            continue
+        assert grad is not None, f"{ctx.where()} after .to(float64): {name} has no gradient"
+        assert_close(ctx, f"after .to(float64): {name}.grad", grad.reshape(-1), want, FP64)
     for opt in opts:
         opt.step()
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
         assert got[name].dtype == torch.float64, f"{ctx.where()} {name} is {got[name].dtype}"
-        assert_close(ctx, f"after .to(float64) and a step: {name}", got[name], ref, FP32["param"])
+        assert_close(ctx, f"after .to(float64) and a step: {name}", got[name], ref, FP64)
