@@ -292,7 +292,9 @@ def orig_params_module_to_dtype(ctx):
     construction and before the first forward converts every unit's flat parameter and so every
     original parameter (each named parameter float64, same names); a forward, backward and SGD
     step then equal the unsharded model converted alike: float64 output, float64 gradients and
-    parameters with the oracle's values."""
+    parameters with the oracle's values. Where the unit shards, ``.to(torch.float64)`` after a
+    backward converts each original parameter's gradient too (float64, the unsharded model's
+    values)."""
     model, oracle = _build(ctx)
     names = sorted(_named(ctx, model))
     model.to(torch.float64)
@@ -327,3 +329,28 @@ def orig_params_module_to_dtype(ctx):
     for name, ref in oracle.named_parameters():
         assert got[name].dtype == torch.float64, f"{ctx.where()} {name} is {got[name].dtype}"
         assert_close(ctx, f"after .to(float64) and a step: {name}", got[name], ref, FP64)
+    # After a backward, where the unit shards: .to(float64) converts the gradients too, as
+    # nn.Module.to does (upstream leaves NO_SHARD's float32 gradient views in place).
+    if ctx.world_size == 1:
+        return
+    model, oracle = _build(ctx)
+    _step(ctx, model, oracle, 1)
+    model.to(torch.float64)
+    oracle.to(torch.float64)
+    views = ctx.impl.local_shards(model)
+    for name, p in _named(ctx, model).items():
+        view, ref = views[name], oracle.get_parameter(name).grad
+        if view.local.numel() == 0:
+            continue
+        assert p.grad is not None and p.grad.dtype == torch.float64, (
+            f"{ctx.where()} .to(float64) after a backward: {name}.grad is "
+            f"{None if p.grad is None else p.grad.dtype}, expected float64"
+        )
+        want = ref.reshape(-1)[view.offset : view.offset + view.local.numel()]
+        assert_close(
+            ctx,
+            f".to(float64) after a backward: {name}.grad",
+            p.grad.reshape(-1),
+            want,
+            FP32["grad"],
+        )
