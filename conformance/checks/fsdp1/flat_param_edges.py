@@ -40,6 +40,7 @@ from conformance.registry import check
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING}
 B = 2  # samples per rank
 FP64 = dict(rtol=1e-10, atol=1e-12)  # float64 computed and reduced in float64
+BF16_TOL = dict(rtol=3e-2, atol=3e-3)  # bf16 compute and gradients (R6)
 
 
 def _build(ctx, strategy: str | None = None, model: nn.Module | None = None):
@@ -354,3 +355,52 @@ def orig_params_module_to_dtype(ctx):
             want,
             FP32["grad"],
         )
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES | {base.MIXED_PRECISION},
+    cases={"flat": {"orig": False}, "orig-params": {"orig": True}},
+    world_sizes=(2,),
+)
+def low_precision_grads_accumulate(ctx, orig):
+    """R45: ``MixedPrecision(param_dtype=bf16, keep_low_precision_grads=True)``, FULL_SHARD at
+    ws 2: a second backward without zeroing adds to the first (the bf16 gradient the optimizer
+    saw is taken back into the accumulation): each original parameter's gradient, reassembled
+    from the ranks' flat gradients, is the unsharded model's summed over both batches (bf16:
+    rtol 3e-2, atol 3e-3) and in bf16."""
+    ctx.seed(0)
+    model = TwoUnits().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    mp = {"param_dtype": torch.bfloat16, "keep_low_precision_grads": True}
+    model = ctx.impl.shard(
+        model, ctx, plan=[("inner", {}), ("", {})], use_orig_params=orig, mixed_precision=mp
+    )
+    for step in range(2):
+        _step(ctx, model, oracle, step)
+    if orig:  # each parameter's gradient through the layout views (the layout holds padding)
+        views = ctx.impl.local_shards(model)
+        for name, p in _named(ctx, model).items():
+            view, ref = views[name], oracle.get_parameter(name).grad
+            n = view.local.numel()
+            if n == 0:
+                continue
+            assert p.grad is not None, f"{ctx.where()} {name}: no gradient after two backwards"
+            assert p.grad.dtype == torch.bfloat16, f"{ctx.where()} {name}.grad is {p.grad.dtype}"
+            want = ref.reshape(-1)[view.offset : view.offset + n]
+            got = p.grad.float().reshape(-1)
+            assert_close(ctx, f"{name}.grad after two backwards", got, want, BF16_TOL)
+        return
+    grads_of = getattr(ctx.impl, "flat_grads", None)
+    if grads_of is None:
+        raise base.NotSupported("flat_grads (the flat parameters' gradients)")
+    for fqns, grad in grads_of(model):
+        assert grad is not None, f"{ctx.where()} {fqns}: no flat gradient after two backwards"
+        assert grad.dtype == torch.bfloat16, f"{ctx.where()} {fqns}: gradient {grad.dtype}"
+        flat = torch.cat([oracle.get_parameter(f).grad.reshape(-1) for f in fqns])
+        chunk = -(-flat.numel() // ctx.world_size)  # ceil(N / ws), zero padded
+        want = torch.zeros(chunk)
+        part = flat[ctx.rank * chunk : (ctx.rank + 1) * chunk]
+        want[: part.numel()] = part
+        got = grad.float().reshape(-1)
+        assert_close(ctx, f"{fqns}: flat gradient after two backwards", got, want, BF16_TOL)
