@@ -93,11 +93,15 @@ def orig_params_grad_set_to_none(ctx, strategy):
     root) and assigns ``inner.weight.grad`` a new tensor of 0.5s, then runs another forward and
     backward without zeroing: between that forward and its backward the two still have no
     gradient; after it they hold only the second backward's gradient, ``inner.weight`` 0.5 plus
-    it, every other parameter the sum of both backwards. Then, after ``zero_grad()`` (every
+    it, every other parameter the sum of both backwards (``head.bias`` also the 0.25s assigned
+    to it before the first backward). Then, after ``zero_grad()`` (every
     ``.grad`` None), ``head.bias.grad`` assigned 0.25s: the next backward gives it 0.25 plus its
     gradient and the others their gradient. Each as the unsharded model given the same
     treatment (this rank's part of it)."""
     model, oracle = _build(ctx, strategy)
+    for m in (model, oracle):  # before any backward: the first one adds to it
+        p = _named(ctx, m)["head.bias"] if m is model else m.head.bias
+        p.grad = torch.full_like(p, 0.25)
     _step(ctx, model, oracle, 0)
     dropped = ("inner.bias", "head.weight")
     for m in (model, oracle):
