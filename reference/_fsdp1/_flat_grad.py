@@ -79,7 +79,22 @@ class FlatGradHandling:
             low = self._compute_dtype if self.uses_sharded_strategy else self._reduce_dtype
             grad.data = grad.to(low)
 
+    @torch.no_grad()
+    def writeback_grad(self) -> None:
+        """summon_full_params(with_grads=True, writeback=True) exits: this rank's range of the
+        gathered gradient (changed in place by the user or not) goes back into the flat
+        gradient."""
+        padded, grad = getattr(self, "_summoned_grad", None), self.flat_param.grad
+        if padded is None or grad is None or padded.data_ptr() == grad.data_ptr():
+            return
+        if not self.uses_sharded_strategy:
+            grad.copy_(padded[: grad.numel()])
+        else:
+            n = self._end - self._start
+            grad[:n].copy_(padded[self._start : self._end])
+
     def _use_sharded_grad_views(self) -> None:
+        self._summoned_grad = None
         grad = self.flat_param.grad
         if not self.uses_sharded_strategy and grad is not None:
             for p, g in zip(self._orig_params, self.unflatten(grad)):
@@ -108,6 +123,7 @@ class FlatGradHandling:
             return
         local = grad if grad is not None else torch.zeros_like(self.flat_param)
         padded = self._gather(local.detach(), local.dtype)
+        self._summoned_grad = padded if grad is not None else None  # for writeback_grad
         for p, g in zip(self._orig_params, self.unflatten(padded)):
             p.grad = g
 

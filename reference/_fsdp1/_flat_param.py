@@ -249,7 +249,9 @@ class FlatParamHandle(FlatGradHandling):
 
     @torch.no_grad()
     def writeback(self, padded: torch.Tensor) -> None:
-        """Copy this rank's range of an unsharded flat tensor back into the shard."""
+        """Copy this rank's range of an unsharded flat tensor back into the shard (and of the
+        gathered gradient, inside ``summon_full_params(with_grads=True)``)."""
+        self.writeback_grad()
         if not self.uses_sharded_strategy:
             if padded.data_ptr() != self.flat_param.data_ptr():
                 self.flat_param.data.copy_(padded[: self.flat_param.numel()])

@@ -243,7 +243,8 @@ def summon_with_grads_edges(ctx, strategy):
     root owning a weight registered under two names (``head.weight`` is ``alias.weight``):
     before any backward every parameter has ``.grad`` None inside; after a backward every name,
     the alias included, has the full gradient of the unsharded model (the alias the same values
-    as ``head.weight``), also under NO_SHARD."""
+    as ``head.weight``), also under NO_SHARD; a gradient doubled in place inside is doubled
+    after exit (writeback=True)."""
     model, oracle = _build(ctx, strategy, _Shared())
     FSDP = ctx.impl.ns.FullyShardedDataParallel
     with FSDP.summon_full_params(model, with_grads=True):
@@ -264,6 +265,13 @@ def summon_with_grads_edges(ctx, strategy):
             assert_close(
                 ctx, f"inside summon(with_grads): {name}.grad", grad, ref.grad, FP32["grad"]
             )
+    # writeback=True (the default): an in-place change of a .grad inside persists.
+    with FSDP.summon_full_params(model, with_grads=True):
+        for p in model.parameters():
+            p.grad.mul_(2)
+    for ref in oracle.parameters():
+        ref.grad.mul_(2)
+    assert_orig_param_grads(ctx, model, oracle, "after .grad *= 2 inside summon(with_grads)")
     if strategy is not None or ctx.world_size == 1:
         return
     # The last rank clears every .grad (zero_grad): it contributes zeros for its elements.
