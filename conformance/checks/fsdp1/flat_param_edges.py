@@ -39,6 +39,7 @@ from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING}
 B = 2  # samples per rank
+ORIG = {"flat": {"orig": False}, "orig-params": {"orig": True}}
 FP64 = dict(rtol=1e-10, atol=1e-12)  # float64 computed and reduced in float64
 BF16_TOL = dict(rtol=3e-2, atol=3e-3)  # bf16 compute and gradients (R6)
 
@@ -372,7 +373,7 @@ def orig_params_module_to_dtype(ctx):
 @check(
     area="fsdp1_runtime",
     requires=REQUIRES | {base.MIXED_PRECISION},
-    cases={"flat": {"orig": False}, "orig-params": {"orig": True}},
+    cases=ORIG,
     world_sizes=(2,),
 )
 def low_precision_grads_accumulate(ctx, orig):
@@ -416,3 +417,43 @@ def low_precision_grads_accumulate(ctx, orig):
         want[: part.numel()] = part
         got = grad.float().reshape(-1)
         assert_close(ctx, f"{fqns}: flat gradient after two backwards", got, want, BF16_TOL)
+
+
+class _Transposed(nn.Module):
+    """``TwoUnits`` whose ``head.weight`` is a transposed (non-contiguous) Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.head = nn.Linear(7, 3)
+        self.head.weight = nn.Parameter(torch.randn(7, 3).t())
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)))
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, cases=ORIG, world_sizes=(1, 2))
+def non_contiguous_param(ctx, orig):
+    """R46: a parameter that is not contiguous when the unit is built (``head.weight`` a
+    transposed (7, 3) tensor) keeps its logical values: inside ``summon_full_params`` it equals
+    the unsharded model's, the forward does too, and after one SGD step both again."""
+    ctx.seed(0)
+    model = _Transposed().to(ctx.device)
+    assert not model.head.weight.is_contiguous(), f"{ctx.where()} test setup: contiguous"
+    oracle = copy.deepcopy(model)
+    model = ctx.impl.shard(model, ctx, plan=[("inner", {}), ("", {})], use_orig_params=orig)
+    FSDP = ctx.impl.ns.FullyShardedDataParallel
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, oracle)]
+    for step in range(2):
+        x, mine = _batch(ctx, step)
+        out = model(mine)
+        assert_close(ctx, f"step {step} forward", out, oracle(mine).detach(), FP32["param"])
+        _loss(out, 1).backward()
+        _loss(oracle(x), ctx.world_size).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        with FSDP.summon_full_params(model):
+            got = visible(ctx, model)
+            for name, ref in oracle.named_parameters():
+                assert_close(ctx, f"after step {step}: {name}", got[name], ref, FP32["param"])
