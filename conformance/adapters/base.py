@@ -76,6 +76,7 @@ FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
 FSDP1_EXEC_ORDER_CHECK = "fsdp1-exec-order-check"  # DebugLevel.DETAIL validates the forward order
 FSDP1_PREFETCH = "fsdp1-prefetch"  # forward_prefetch / BACKWARD_PRE gather the next unit ahead
+FSDP1_MODULE_TO = "fsdp1-module-to"  # model.to(dtype) on an FSDP1 model (use_orig_params=True)
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -164,6 +165,9 @@ PROMISES = {
     "pre-forward also issues the all-gather of the unit that followed it in the first forward, "
     "right after its own; `backward_prefetch=BACKWARD_PRE`: a unit's pre-backward issues the "
     "all-gather of the unit that preceded it in that forward, right after its own",
+    FSDP1_MODULE_TO: "`model.to(dtype)` on the wrapped FSDP1 model (`use_orig_params=True`) "
+    "converts each unit's flat parameter and so every original parameter, which keep their names "
+    "and train in that dtype",
 }
 
 

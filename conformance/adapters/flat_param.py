@@ -49,6 +49,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_GRAD_SCALER,
             base.FSDP1_EXEC_ORDER_CHECK,
             base.FSDP1_PREFETCH,
+            base.FSDP1_MODULE_TO,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

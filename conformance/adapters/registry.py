@@ -69,6 +69,7 @@ def _reference_fsdp1():
         # nor the forward-order validation or forward prefetching (docs/adapters.md)
         base.FSDP1_EXEC_ORDER_CHECK,
         base.FSDP1_PREFETCH,
+        base.FSDP1_MODULE_TO,
     }
     return impl
 

@@ -79,7 +79,22 @@ class FlatGradHandling:
             low = self._compute_dtype if self.uses_sharded_strategy else self._reduce_dtype
             grad.data = grad.to(low)
 
+    @torch.no_grad()
+    def writeback_grad(self) -> None:
+        """summon_full_params(with_grads=True, writeback=True) exits: this rank's range of the
+        gathered gradient (changed in place by the user or not) goes back into the flat
+        gradient."""
+        padded, grad = getattr(self, "_summoned_grad", None), self.flat_param.grad
+        if padded is None or grad is None or padded.data_ptr() == grad.data_ptr():
+            return
+        if not self.uses_sharded_strategy:
+            grad.copy_(padded[: grad.numel()])
+        else:
+            n = self._end - self._start
+            grad[:n].copy_(padded[self._start : self._end])
+
     def _use_sharded_grad_views(self) -> None:
+        self._summoned_grad = None
         grad = self.flat_param.grad
         if not self.uses_sharded_strategy and grad is not None:
             for p, g in zip(self._orig_params, self.unflatten(grad)):
@@ -97,18 +112,69 @@ class FlatGradHandling:
     @torch.no_grad()
     def use_unsharded_grad_views(self) -> None:
         """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
-        gradient (zeros stand in for a missing local gradient so every rank joins the gather)."""
+        gradient (zeros stand in for a missing local gradient, e.g. every ``.grad`` of this rank
+        cleared by the user, so every rank joins the gather; None when no rank has one)."""
+        if all(p.grad is None for p in self._orig_params):  # cleared by the user: none here
+            self.flat_param.grad = None
         grad = self.flat_param.grad
+        if not _any_rank_has(grad, self):  # no gradient anywhere yet: every .grad stays None
+            for p in self._orig_params:
+                p.grad = None
+            return
         local = grad if grad is not None else torch.zeros_like(self.flat_param)
         padded = self._gather(local.detach(), local.dtype)
+        self._summoned_grad = padded if grad is not None else None  # for writeback_grad
         for p, g in zip(self._orig_params, self.unflatten(padded)):
             p.grad = g
 
+    @torch.no_grad()
     def prepare_orig_grads_for_forward(self) -> None:
-        """use_orig_params=True: when the user cleared every original ``.grad`` (``zero_grad``),
-        the flat gradient they were views of is dropped too."""
-        if self._use_orig_params and all(p.grad is None for p in self._orig_params):
+        """use_orig_params=True: the original ``.grad`` s are what the next backward accumulates
+        onto. Every one None (``zero_grad``): the flat gradient is dropped. Otherwise a None one
+        zeroes its part of the flat gradient and one the user assigned (a tensor that is not a
+        view into the flat gradient) is copied into its part (a zero flat gradient is made when
+        there is none)."""
+        if not self._use_orig_params:
+            return
+        if all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
+            return
+        grad = self.flat_param.grad
+        storage = None if grad is None else grad.untyped_storage().data_ptr()
+        assigned = [
+            p.grad is not None and p.grad.untyped_storage().data_ptr() != storage
+            for p in self._orig_params
+        ]
+        if grad is None:
+            if not any(assigned):
+                return
+            grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
+        for p, part, new in zip(self._orig_params, self._grad_parts(grad), assigned):
+            if part is None:
+                continue
+            if p.grad is None:
+                part.zero_()
+            elif new:
+                part.copy_(p.grad.reshape(part.shape))
+
+    def _grad_parts(self, grad: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each original parameter's part of the flat gradient ``grad`` (its full-shape view
+        under NO_SHARD, its 1-D part of this rank's shard otherwise; None without elements)."""
+        if not self.uses_sharded_strategy:
+            return list(self.unflatten(grad))
+        return [
+            grad[i.offset_in_shard : i.offset_in_shard + i.numel_in_shard] if i.in_shard else None
+            for i in self.flat_param._shard_param_infos
+        ]
+
+
+def _any_rank_has(grad: torch.Tensor | None, handle) -> bool:
+    """Whether some rank of the handle's group holds a flat gradient (NO_SHARD: this rank)."""
+    if not handle.uses_sharded_strategy:
+        return grad is not None
+    flag = torch.tensor([float(grad is not None)], device=handle.flat_param.device)
+    dist.all_reduce(flag, group=handle.process_group)
+    return bool(flag.item())
 
 
 def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:

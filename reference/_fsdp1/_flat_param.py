@@ -37,6 +37,7 @@ Gradient handling (reduction, no_sync accumulation, gradient views and dtypes) l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -248,7 +249,9 @@ class FlatParamHandle(FlatGradHandling):
 
     @torch.no_grad()
     def writeback(self, padded: torch.Tensor) -> None:
-        """Copy this rank's range of an unsharded flat tensor back into the shard."""
+        """Copy this rank's range of an unsharded flat tensor back into the shard (and of the
+        gathered gradient, inside ``summon_full_params(with_grads=True)``)."""
+        self.writeback_grad()
         if not self.uses_sharded_strategy:
             if padded.data_ptr() != self.flat_param.data_ptr():
                 self.flat_param.data.copy_(padded[: self.flat_param.numel()])
@@ -273,6 +276,13 @@ class FlatParamHandle(FlatGradHandling):
         ]
         if not any(replaced):
             return
+        for i, p in enumerate(self._orig_params):
+            want = (infos[i].numel_in_shard,) if self.uses_sharded_strategy else fp._shapes[i]
+            if replaced[i] and p.data.numel() != math.prod(want):
+                raise RuntimeError(
+                    f"Cannot writeback when the parameter shape changes: {fp._fqns[i]} expects "
+                    f"{tuple(want)} but got {tuple(p.shape)}"
+                )
         if not self.uses_sharded_strategy:
             for p, view, new in zip(self._orig_params, self.unflatten(fp.data), replaced):
                 if new:
@@ -371,6 +381,7 @@ class FlatParamHandle(FlatGradHandling):
         """Backward of this module starts: all-gather again into every freed gathered tensor and
         put the views back (modules recomputed by activation checkpointing read them)."""
         self._grad_to_full_precision()
+        self._refuse_replaced_since_forward()
         live = self._gathered_for_backward
         for padded in live:
             nbytes = padded.numel() * padded.element_size()
@@ -381,6 +392,23 @@ class FlatParamHandle(FlatGradHandling):
                 all_gather_single(padded.data, local, self.process_group)
         if live:
             self.use_unsharded_views(live[-1], as_params=False)
+
+    def _refuse_replaced_since_forward(self) -> None:
+        """use_orig_params=True with parameters kept gathered from forward to backward
+        (SHARD_GRAD_OP): an original parameter whose ``.data`` was replaced since the forward
+        cannot be honoured by the backward, which uses the forward's values: refused."""
+        if not (self._use_orig_params and self.uses_sharded_strategy):
+            return
+        if self._reshard_after_forward or not self._gathered_for_backward:
+            return
+        storage = self.flat_param.untyped_storage().data_ptr()
+        for i, p in enumerate(self._orig_params):
+            in_shard = self.flat_param._shard_param_infos[i].in_shard
+            if in_shard and p.untyped_storage().data_ptr() != storage:
+                raise AssertionError(
+                    "FSDP does not support changing the parameters between forward and "
+                    f"backward for SHARD_GRAD_OP ({self.flat_param._fqns[i]})"
+                )
 
     def _post_backward(self) -> None:
         """The gradient reached the flat parameter: drop the gathered tensors, reshard, and (with
