@@ -74,6 +74,7 @@ FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradSca
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
+FSDP1_FULL_PREC_IN_EVAL = "fsdp1-full-prec-in-eval"  # env FSDP_USE_FULL_PREC_IN_EVAL=1 (FSDP1)
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -154,6 +155,9 @@ PROMISES = {
     FSDP2_DP_MESH_DIMS: "`ns.fully_shard(module, mesh=<full SPMD mesh>, dp_mesh_dims="
     "ns.DataParallelMeshDims(shard=, replicate=))` over parameters that are DTensors replicated "
     "on that mesh: sharded on the named shard dim, replicated (HSDP) on the named replicate dim",
+    FSDP1_FULL_PREC_IN_EVAL: "with `FSDP_USE_FULL_PREC_IN_EVAL=1` in the environment at "
+    "construction, an FSDP1 unit with `MixedPrecision` computes in full precision (parameters, "
+    "buffers, output) while in `eval()` mode and in the low precision again after `train()`",
 }
 
 

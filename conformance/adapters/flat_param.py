@@ -47,6 +47,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_HYBRID_SHARD,
             base.DCP_HELPERS,
             base.FSDP1_GRAD_SCALER,
+            base.FSDP1_FULL_PREC_IN_EVAL,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -66,6 +66,7 @@ def _reference_fsdp1():
         base.FSDP1_HYBRID_SHARD,
         base.DCP_HELPERS,
         base.FSDP1_GRAD_SCALER,
+        base.FSDP1_FULL_PREC_IN_EVAL,
     }
     return impl
 

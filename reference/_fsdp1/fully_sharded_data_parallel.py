@@ -47,6 +47,7 @@ from reference._fsdp1._init_utils import (
     _compute_device,
     _managed_tensors,
     _materialize_with_init_fn,
+    _materialize_with_reset_parameters,
 )
 from reference._fsdp1._runtime_utils import (
     TrainingState,
@@ -202,6 +203,9 @@ class FullyShardedDataParallel(_FSDPState):
 
         if param_init_fn is not None:
             _materialize_with_init_fn(module, param_init_fn, self._ignored_modules)
+        else:
+            device = torch.device("cpu" if device_id is None else device_id)
+            _materialize_with_reset_parameters(module, device, self._ignored_modules)
         params, self._owned_buffers = _managed_tensors(
             module, self._ignored_modules, self._ignored_params
         )
