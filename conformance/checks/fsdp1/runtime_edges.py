@@ -11,17 +11,22 @@
 * ``FSDP_USE_FULL_PREC_IN_EVAL=1`` makes a mixed-precision model compute in full precision in
   ``eval()`` mode, buffers included, and back in the low precision after ``train()`` (R54).
 * ``forward_prefetch=True``, keyword tensor arguments and an evaluation forward under
-  ``torch.no_grad()`` between training steps change no value (R55).
+  ``torch.no_grad()`` between training steps change no value; a nested unit (FSDP1 or
+  ``fully_shard``) called with tensors inside a namedtuple, a list of a tuple, an OrderedDict and a
+  dataclass gets each in its own container type and trains as the unsharded model (R55).
 * The constructor refuses a scalar parameter and an FSDP unit among ``ignored_modules``, and warns
   when the module itself is ignored (R56).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -48,9 +53,9 @@ class _ResetLinear(nn.Linear):
                 self.bias.copy_(small_values(self.bias.shape, salt=self.out_features, index=1))
 
 
-class _MetaNet(nn.Module):
-    """inner _ResetLinear(4, 6) -> tanh -> head _ResetLinear(6, 3); the root holds no tensor and
-    its ``reset_parameters`` must never be called."""
+class _MetaBody(nn.Module):
+    """inner _ResetLinear(4, 6) -> tanh -> head _ResetLinear(6, 3); holds no tensor of its own,
+    so its ``reset_parameters`` must never be called."""
 
     def __init__(self):
         super().__init__()
@@ -58,10 +63,29 @@ class _MetaNet(nn.Module):
         self.head = _ResetLinear(6, 3)
 
     def reset_parameters(self) -> None:
-        _ResetLinear.calls.append("root")
+        _ResetLinear.calls.append("body")
 
     def forward(self, x):
         return self.head(torch.tanh(self.inner(x)))
+
+
+class _MetaNet(nn.Module):
+    """``body`` times the root's own parameter ``gain`` (3,), which its ``reset_parameters``
+    sets; the root thus holds a tensor of its own above the nested unit ``body.inner``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _MetaBody()
+        self.gain = nn.Parameter(torch.empty(3))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _ResetLinear.calls.append("root")
+        with torch.no_grad():
+            self.gain.copy_(small_values((3,), salt=7))
+
+    def forward(self, x):
+        return self.body(x) * self.gain
 
 
 class _NoReset(nn.Module):
@@ -75,9 +99,10 @@ class _NoReset(nn.Module):
 
 @check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1, 2))
 def meta_reset_parameters(ctx):
-    """R52: ``_MetaNet`` built on the meta device, ``inner`` its own unit, no ``param_init_fn``,
-    ``device_id`` the compute device: ``reset_parameters()`` runs once on ``inner`` and once on
-    ``head`` (not on the root, which holds no tensor), nothing stays on the meta device, and the
+    """R52: ``_MetaNet`` built on the meta device, ``body.inner`` its own unit, no
+    ``param_init_fn``, ``device_id`` the compute device: ``reset_parameters()`` runs once on
+    ``body.inner``, ``body.head`` and the root (not on ``body``, which holds no tensor of its own;
+    the root's storage does not touch the nested unit's), nothing stays on the meta device, and the
     parameters and the forward equal the model built eagerly on the CPU. A meta module holding a
     parameter but lacking ``reset_parameters`` is refused with AttributeError naming it."""
     _ResetLinear.calls = []
@@ -86,11 +111,11 @@ def meta_reset_parameters(ctx):
         meta = _MetaNet()
     _ResetLinear.calls = []
     opts = {"device_id": ctx.device}
-    model = ctx.impl.shard(meta, ctx, plan=[("inner", opts), ("", opts)])
+    model = ctx.impl.shard(meta, ctx, plan=[("body.inner", opts), ("", opts)])
     calls = sorted(_ResetLinear.calls)
-    assert calls == ["4x6", "6x3"], (
-        f"{ctx.where()} reset_parameters() ran on {calls}, expected once on inner (4x6) and once "
-        "on head (6x3), never on the tensor-less root"
+    assert calls == ["4x6", "6x3", "root"], (
+        f"{ctx.where()} reset_parameters() ran on {calls}, expected once on inner (4x6), head "
+        "(6x3) and the root, never on the tensor-less body"
     )
     metas = [n for n, p in model.named_parameters() if p.is_meta]
     assert not metas, f"{ctx.where()} parameters still on the meta device: {metas}"
@@ -336,3 +361,79 @@ def constructor_refusals(ctx):
     )
     x = torch.randn(B, 4, generator=torch.Generator().manual_seed(2)).to(ctx.device)
     assert_close(ctx, "forward with everything ignored", model(x), ref(x), FP32["loss"])
+
+
+# ------------------------------------------------------------------ structured unit arguments
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Box:
+    t: torch.Tensor
+    tag: str
+
+
+class _StructBlock(nn.Module):
+    """Reads every tensor of its structured arguments; records the container types it got."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[tuple] = []
+
+    def forward(self, pair, items, *, extra, box):
+        self.seen.append((type(pair), type(items), type(items[1]), type(extra), type(box), box.tag))
+        h = self.lin(pair.a * 2.0 + pair.b) + items[0] * 3.0 + items[1][0]
+        return torch.tanh(h) * extra["s"] + box.t * 0.5 + extra["k"]
+
+
+class _StructNet(nn.Module):
+    """pre Linear(4, 8) split in two halves feeding ``block`` (its own unit) through a namedtuple,
+    a list holding a tuple, an OrderedDict and a dataclass, each field its own tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 8)
+        self.block = _StructBlock()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        u, v = self.pre(x).chunk(2, dim=-1)
+        extra = collections.OrderedDict(s=torch.sigmoid(v), k=1)
+        out = self.block(_Pair(u, v), [v * u, (u - v,)], extra=extra, box=_Box(u + v, "box"))
+        return self.head(out)
+
+
+@check(area="training", requires={base.TRAINING}, world_sizes=(1, 2))
+def structured_unit_arguments(ctx):
+    """R55: a nested unit (FSDP1 unit or fully_shard module) called with tensors that require
+    grad inside a namedtuple, a list holding a tuple, an ``OrderedDict`` keyword argument (with a
+    non-tensor entry) and a dataclass keyword argument (with a string field): the wrapped forward
+    gets each argument in its own container type with every field in its place, and two SGD
+    steps on the global batch (each rank its own samples) equal the unsharded model's."""
+    ctx.seed(0)
+    oracle = _StructNet().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("block", {}), ("", {})])
+    block = next(m for m in model.modules() if isinstance(m, _StructBlock))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    want = (_Pair, list, tuple, collections.OrderedDict, _Box, "box")
+    for step in range(2):
+        g = torch.Generator().manual_seed(60 + step)
+        x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+        block.seen.clear()
+        (model(x[mine]) ** 2).sum().div(B).backward()
+        assert block.seen == [want], (
+            f"{ctx.where()} step {step}: the unit's forward got {block.seen}, expected {want}"
+        )
+        opt.step()
+        opt.zero_grad()
+        (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+        oopt.step()
+        oopt.zero_grad()
+        got = full_params(ctx, model)
+        for name, ref in oracle.named_parameters():
+            assert_close(ctx, f"{name} after step {step}", got[name], ref, FP32["param"])
