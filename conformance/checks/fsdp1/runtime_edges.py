@@ -482,3 +482,42 @@ def hybrid_shard_default_groups(ctx):
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
         assert_close(ctx, f"{name} after two steps", got[name], ref, FP32["param"])
+
+
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_RUNTIME}, world_sizes=(1, 2))
+def root_calls_refused_inside_summon(ctx):
+    """R56: inside ``summon_full_params`` on the root (``InnerHeadNet``, ``inner`` its own unit,
+    after one forward and backward), ``root.clip_grad_norm_(0.01)`` and entering
+    ``root.no_sync()`` are refused with ValueError "expected to be in states"; nothing is
+    clipped: after exit the full gradients equal the unsharded model's."""
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", {}), ("", {})])
+    x = torch.randn(ctx.world_size * B, 4, generator=torch.Generator().manual_seed(9))
+    x = x.to(ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    (model(x[mine]) ** 2).sum().div(B).backward()
+    (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def enter_no_sync():
+        with model.no_sync():
+            pass
+
+    with ctx.impl.FSDP.summon_full_params(model):
+        for what, call in (
+            ("clip_grad_norm_", lambda: model.clip_grad_norm_(0.01)),
+            ("no_sync()", enter_no_sync),
+        ):
+            expect_error(
+                ctx,
+                f"{what} inside summon_full_params",
+                ValueError,
+                "expected to be in states",
+                call,
+            )
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), f"{ctx.where()} {name}: gradient changed"
+    total = model.clip_grad_norm_(1e6)  # accepted again after exit; nothing clipped
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e6)
+    assert_close(ctx, "clip_grad_norm_ after exit", total, ref, FP32["grad"])
