@@ -521,3 +521,55 @@ def root_calls_refused_inside_summon(ctx):
     total = model.clip_grad_norm_(1e6)  # accepted again after exit; nothing clipped
     ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e6)
     assert_close(ctx, "clip_grad_norm_ after exit", total, ref, FP32["grad"])
+
+
+class _SideOutput(nn.Module):
+    """head(tanh(trunk(x))) and, computed but left out of the loss, side(x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 6)
+        self.side = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.trunk(x))), self.side(x)
+
+
+@check(
+    area="fsdp1_runtime",
+    requires={base.FLAT_PARAM, base.FSDP1_API, base.TRAINING},
+    world_sizes=(2,),
+)
+def unit_outside_loss_resharded(ctx):
+    """R53: ``trunk`` and ``side`` (30 elements each) their own SHARD_GRAD_OP units (which keep
+    the gathered parameters from forward to backward), ``side``'s output computed but left out of
+    the loss: after backward every unit's flat parameter holds only this rank's ``ceil(N/ws)``
+    elements, ``side`` included, and one SGD step equals the unsharded model's (``side``
+    unchanged)."""
+    ctx.seed(0)
+    oracle = _SideOutput().to(ctx.device)
+    zero2 = {"sharding_strategy": ctx.impl.ns.ShardingStrategy.SHARD_GRAD_OP}
+    model = ctx.impl.shard(
+        copy.deepcopy(oracle), ctx, plan=[("trunk", zero2), ("side", zero2), ("", {})]
+    )
+    units = ctx.impl.FSDP.fsdp_modules(model)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    (model(x[mine])[0] ** 2).sum().div(B).backward()
+    for u in units:
+        if u is model:
+            continue
+        want = math.ceil(30 / ctx.world_size)
+        got = u._flat_param.numel()
+        assert got == want, (
+            f"{ctx.where()} after backward a SHARD_GRAD_OP unit's flat parameter holds {got} "
+            f"elements, expected its {want}-element shard"
+        )
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    (oracle(x)[0] ** 2).sum().div(ctx.world_size * B).backward()
+    torch.optim.SGD(oracle.parameters(), lr=0.1).step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"{name} after one step", got[name], ref, FP32["param"])
