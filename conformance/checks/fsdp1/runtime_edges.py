@@ -573,3 +573,45 @@ def unit_outside_loss_resharded(ctx):
     got = full_params(ctx, model)
     for name, ref in oracle.named_parameters():
         assert_close(ctx, f"{name} after one step", got[name], ref, FP32["param"])
+
+
+@check(
+    area="fsdp1_runtime",
+    requires={base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING},
+    world_sizes=(2,),
+)
+def clip_grad_norm_mixed_strategies(ctx):
+    """R56: ``InnerHeadNet`` with ``inner`` a NO_SHARD unit under a FULL_SHARD root: before any
+    backward ``root.clip_grad_norm_(1.0)`` returns 0 in fp32 with a UserWarning naming "no
+    gradients" and leaves every gradient None; after a backward ``clip_grad_norm_(0.05,
+    norm_type=inf)`` returns the unsharded gradients' largest entry (the NO_SHARD gradient counted
+    once) and an SGD step on the clipped gradients equals the unsharded model's after
+    ``torch.nn.utils.clip_grad_norm_(..., 0.05, inf)``."""
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    no_shard = {"sharding_strategy": ctx.impl.ns.ShardingStrategy.NO_SHARD}
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", no_shard), ("", {})])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = model.clip_grad_norm_(1.0)
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any("no gradients" in t for t in texts), (
+        f"{ctx.where()} clip_grad_norm_ without gradients warned {texts}, expected 'no gradients'"
+    )
+    assert total.dtype == torch.float32 and float(total) == 0.0, (
+        f"{ctx.where()} clip_grad_norm_ without gradients returned {total!r}, expected 0 (fp32)"
+    )
+    assert all(p.grad is None for p in model.parameters()), f"{ctx.where()} a gradient appeared"
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+    (model(x[ctx.rank * B : (ctx.rank + 1) * B]) ** 2).sum().div(B).backward()
+    (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+    total = model.clip_grad_norm_(0.05, norm_type=math.inf)
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.05, norm_type=math.inf)
+    assert_close(ctx, "inf-norm total", total, ref, FP32["grad"])
+    assert float(ref) > 0.05, f"{ctx.where()} test setup: the gradients need clipping ({ref})"
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    torch.optim.SGD(oracle.parameters(), lr=0.5).step()
+    got = full_params(ctx, model)
+    for name, p in oracle.named_parameters():
+        assert_close(ctx, f"{name} after a clipped step", got[name], p, FP32["param"])
