@@ -583,9 +583,9 @@ def unit_outside_loss_resharded(ctx):
 def clip_grad_norm_mixed_strategies(ctx):
     """R56: ``InnerHeadNet`` with ``inner`` a NO_SHARD unit under a FULL_SHARD root: before any
     backward ``root.clip_grad_norm_(1.0)`` returns 0 in fp32 with a UserWarning naming "no
-    gradients" and leaves every gradient None; after a backward ``clip_grad_norm_(0.05,
-    norm_type=inf)`` returns the unsharded gradients' largest entry (the NO_SHARD gradient counted
-    once) and an SGD step on the clipped gradients equals the unsharded model's after
+    gradients" and leaves every gradient None; after a backward ``clip_grad_norm_(1e6)`` returns
+    the unsharded gradients' 2-norm (the NO_SHARD gradient counted once, nothing clipped),
+    ``clip_grad_norm_(0.05, norm_type=inf)`` their largest entry, and an SGD step on the clipped gradients equals the unsharded model's after
     ``torch.nn.utils.clip_grad_norm_(..., 0.05, inf)``."""
     ctx.seed(0)
     oracle = InnerHeadNet().to(ctx.device)
@@ -606,6 +606,9 @@ def clip_grad_norm_mixed_strategies(ctx):
     x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
     (model(x[ctx.rank * B : (ctx.rank + 1) * B]) ** 2).sum().div(B).backward()
     (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+    total = model.clip_grad_norm_(1e6)  # the 2-norm, nothing clipped
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e6)
+    assert_close(ctx, "2-norm total (the NO_SHARD gradient counted once)", total, ref, FP32["grad"])
     total = model.clip_grad_norm_(0.05, norm_type=math.inf)
     ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.05, norm_type=math.inf)
     assert_close(ctx, "inf-norm total", total, ref, FP32["grad"])
