@@ -77,6 +77,7 @@ FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParall
 FSDP1_EXEC_ORDER_CHECK = "fsdp1-exec-order-check"  # DebugLevel.DETAIL validates the forward order
 FSDP1_PREFETCH = "fsdp1-prefetch"  # forward_prefetch / BACKWARD_PRE gather the next unit ahead
 FSDP1_MODULE_TO = "fsdp1-module-to"  # model.to(dtype) on an FSDP1 model (use_orig_params=True)
+FSDP1_FULL_PREC_IN_EVAL = "fsdp1-full-prec-in-eval"  # env FSDP_USE_FULL_PREC_IN_EVAL=1 (FSDP1)
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -168,6 +169,9 @@ PROMISES = {
     FSDP1_MODULE_TO: "`model.to(dtype)` on the wrapped FSDP1 model (`use_orig_params=True`) "
     "converts each unit's flat parameter and so every original parameter, which keep their names "
     "and train in that dtype",
+    FSDP1_FULL_PREC_IN_EVAL: "with `FSDP_USE_FULL_PREC_IN_EVAL=1` in the environment at "
+    "construction, an FSDP1 unit with `MixedPrecision` computes in full precision (parameters, "
+    "buffers, output) while in `eval()` mode and in the low precision again after `train()`",
 }
 
 

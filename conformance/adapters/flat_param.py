@@ -50,6 +50,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_EXEC_ORDER_CHECK,
             base.FSDP1_PREFETCH,
             base.FSDP1_MODULE_TO,
+            base.FSDP1_FULL_PREC_IN_EVAL,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

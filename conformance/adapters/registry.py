@@ -70,6 +70,7 @@ def _reference_fsdp1():
         base.FSDP1_EXEC_ORDER_CHECK,
         base.FSDP1_PREFETCH,
         base.FSDP1_MODULE_TO,
+        base.FSDP1_FULL_PREC_IN_EVAL,
     }
     return impl
 

@@ -6,6 +6,7 @@ Vocabulary (managed parameters, owned buffers, root): see ``[Note: the FSDP1 mod
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -96,3 +97,23 @@ def _materialize_with_init_fn(
     if any(t.is_meta for t in tensors):
         for m in own:
             param_init_fn(m)
+
+
+def _materialize_with_reset_parameters(
+    module: nn.Module, device: torch.device, ignored_modules: set[nn.Module]
+) -> None:
+    """Without ``param_init_fn``: where a tensor this unit would manage is on the meta device,
+    every module of the unit's own part of the tree (as above) that holds parameters or buffers
+    of its own gets storage on ``device`` and its ``reset_parameters()`` called, in that order."""
+
+    def fn(m: nn.Module) -> None:
+        if (
+            next(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)), None)
+            is None
+        ):
+            return
+        with torch.no_grad():
+            m.to_empty(device=device, recurse=False)
+            m.reset_parameters()
+
+    _materialize_with_init_fn(module, fn, ignored_modules)

@@ -47,6 +47,7 @@ from reference._fsdp1._init_utils import (
     _compute_device,
     _managed_tensors,
     _materialize_with_init_fn,
+    _materialize_with_reset_parameters,
 )
 from reference._fsdp1._runtime_utils import (
     TrainingState,
@@ -202,6 +203,9 @@ class FullyShardedDataParallel(_FSDPState):
 
         if param_init_fn is not None:
             _materialize_with_init_fn(module, param_init_fn, self._ignored_modules)
+        else:
+            device = torch.device("cpu" if device_id is None else device_id)
+            _materialize_with_reset_parameters(module, device, self._ignored_modules)
         params, self._owned_buffers = _managed_tensors(
             module, self._ignored_modules, self._ignored_params
         )
@@ -344,6 +348,7 @@ class FullyShardedDataParallel(_FSDPState):
                 "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` "
                 "on root FSDP module."
             )
+        self._assert_idle()
         handles = [m._handle for m in _fsdp_modules(self) if m._handle is not None]
         before = [h._sync_gradients for h in handles]
         for h in handles:
@@ -365,12 +370,17 @@ class FullyShardedDataParallel(_FSDPState):
             raise RuntimeError(
                 "`clip_grad_norm_()` should only be called on the root FSDP instance"
             )
-        if self.training_state != TrainingState.IDLE:
-            raise RuntimeError(
-                f"clip_grad_norm_() called in state {self.training_state.name}; call it after "
-                "backward, outside summon_full_params"
-            )
+        self._assert_idle()
         return _clip_grad_norm(self, max_norm, norm_type)
+
+    def _assert_idle(self) -> None:
+        """Refuse (ValueError, upstream's type) a call made inside forward, backward or
+        ``summon_full_params``: the parameters are not in their sharded resting state."""
+        if self.training_state != TrainingState.IDLE:
+            raise ValueError(
+                f"expected to be in states [{TrainingState.IDLE}] but current state is "
+                f"{self.training_state}"
+            )
 
     # -- unshard ----------------------------------------------------------------------------------
 
