@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.optim_state import assert_state
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.rows import chunk_of
 from conformance.checks._shared.sd_models import SharedWeightNet
@@ -190,8 +191,10 @@ def dsd_extra_state(ctx):
     """P51: a sharded model whose ``lin1`` has extra state: ``get_model_state_dict`` (sharded and
     full) holds ``lin1._extra_state`` equal to ``lin1.get_extra_state()`` next to the parameters'
     entries (this rank's chunks / full values); ``get_optimizer_state_dict`` still keys the state
-    of every parameter (the unsharded Adam's); ``set_model_state_dict`` of another model's dict
-    hands its extra state to ``set_extra_state`` and loads its parameters."""
+    of every parameter (the unsharded Adam's) and loads into a fresh optimizer (one more step: the
+    unsharded model's parameters); ``set_model_state_dict`` of another model's dict
+    (sharded, and full with ``full_state_dict=True``) hands its extra state to
+    ``set_extra_state`` and loads its parameters."""
     dsd = _dsd()
     oracle = _TaggedNet(1, "a").to(ctx.device)
     model = _sharded(ctx, module=copy.deepcopy(oracle))
@@ -217,16 +220,27 @@ def dsd_extra_state(ctx):
     for step in range(STEPS):
         _step(ctx, oracle, oopt, step)
         _step(ctx, model, opt, step)
-    _assert_state(ctx, dsd.get_optimizer_state_dict(model, opt), oracle, oopt, False, "extra state")
+    osd = dsd.get_optimizer_state_dict(model, opt)
+    _assert_state(ctx, osd, oracle, oopt, False, "extra state")
+    fresh = _sharded(ctx, module=copy.deepcopy(oracle))
+    fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    dsd.set_optimizer_state_dict(fresh, fopt, osd)
+    _step(ctx, oracle, oopt, STEPS)
+    _step(ctx, fresh, fopt, STEPS)
+    _assert_params(ctx, fresh, oracle, "(extra state) one step after the optimizer load")
 
     source = _sharded(ctx, module=_TaggedNet(3, "b").to(ctx.device))
-    target = _sharded(ctx, module=_TaggedNet(0, "a").to(ctx.device))
-    result = dsd.set_model_state_dict(target, dsd.get_model_state_dict(source))
-    assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {result}"
-    assert target.lin1.tag == "b", (
-        f"{ctx.where()} after the load lin1.tag = {target.lin1.tag!r}, expected the dict's 'b'"
-    )
-    _assert_chunks(ctx, target, _plain(3), "after loading a dict with extra state")
+    for full in (False, True):
+        options = dsd.StateDictOptions(full_state_dict=full)
+        target = _sharded(ctx, module=_TaggedNet(0, "a").to(ctx.device))
+        given = dsd.get_model_state_dict(source, options=options)
+        result = dsd.set_model_state_dict(target, given, options=options)
+        assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {result}"
+        assert target.lin1.tag == "b", (
+            f"{ctx.where()} full={full}: after the load lin1.tag = {target.lin1.tag!r}, expected "
+            "the dict's 'b'"
+        )
+        _assert_chunks(ctx, target, _plain(3), f"after loading a dict with extra state ({full=})")
 
 
 # ------------------------------------------------------------------- P52: optimizer dict forms
@@ -482,9 +496,10 @@ def dsd_patched_methods(ctx):
     """P54: after ``_patch_model_state_dict(model, options=full_state_dict)`` the model's own
     ``state_dict()`` is ``get_model_state_dict``'s (full values under the unsharded FQNs) and its
     ``load_state_dict(full dict)`` leaves this rank's chunks of it; after
-    ``_patch_optimizer_state_dict(model, optimizers=opt)`` the optimizer's ``state_dict()`` is the
-    FQN-keyed DSD dict (the unsharded Adam's state) and a patched fresh optimizer's
-    ``load_state_dict`` of it restores the state (one more step: the unsharded parameters)."""
+    ``_patch_optimizer_state_dict(model, optimizers=opt, options=full_state_dict)`` the
+    optimizer's ``state_dict()`` is the FQN-keyed full DSD dict (the unsharded Adam's state) and a
+    patched fresh optimizer's ``load_state_dict`` of it shards and restores the state (one more
+    step: the unsharded parameters)."""
     dsd = _dsd()
     patched = set(dsd._patched_state_dict)
     try:
@@ -502,14 +517,18 @@ def dsd_patched_methods(ctx):
         assert sorted(sd) == sorted(plain), f"{ctx.where()} patched state_dict keys {sorted(sd)}"
         for fqn, value in sd.items():
             assert_close(ctx, f"patched state_dict {fqn}", value, plain[fqn], FP32["param"])
-        dsd._patch_optimizer_state_dict(model, optimizers=(opt,))
+        dsd._patch_optimizer_state_dict(model, optimizers=(opt,), options=full)
         osd = opt.state_dict()
-        _assert_state(ctx, osd, oracle, oopt, False, "patched optimizer state_dict")
+
+        def no_shards(name, key, value, full_value):
+            raise AssertionError(f"{ctx.where()} patched {name}.{key}: expected a full tensor")
+
+        assert_state(ctx, osd, oracle, oopt, True, "patched optimizer state_dict", no_shards)
 
         fresh = _sharded(ctx, 3)
         fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
         dsd._patch_model_state_dict(fresh, options=full)
-        dsd._patch_optimizer_state_dict(fresh, optimizers=fopt)
+        dsd._patch_optimizer_state_dict(fresh, optimizers=fopt, options=full)
         fresh.load_state_dict(dict(sd))
         _assert_chunks(ctx, fresh, plain, "after the patched load_state_dict")
         fopt.load_state_dict(osd)
