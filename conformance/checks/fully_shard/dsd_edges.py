@@ -550,7 +550,7 @@ def dsd_submodule_keys_and_refusals(ctx):
     ``{}`` (RuntimeError "model state_dict is empty"), an empty optimizer dict ("optim state_dict
     is empty"), ``set_state_dict`` with no optimizer and no model dict ("Optimizers are not
     passed"), ``broadcast_from_rank0`` without ``full_state_dict`` (ValueError), and a key holding
-    ``_flat_param`` (RuntimeError naming it)."""
+    ``_flat_param`` (RuntimeError "<key> contains _flat_param", before any load)."""
     dsd = _dsd()
     src = dsd.get_model_state_dict(_sharded(ctx, 3))
 
@@ -558,10 +558,13 @@ def dsd_submodule_keys_and_refusals(ctx):
         return {k.split(".", 1)[1]: v for k, v in src.items() if k.startswith(f"{module}.")}
 
     target = _sharded(ctx, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FutureWarning)
         result = dsd.set_model_state_dict(
             target, {target.lin1: within("lin1"), target.lin2: within("lin2")}
+        )
+        assert any(issubclass(w.category, FutureWarning) for w in caught), (
+            f"{ctx.where()} the module-keyed form gave no FutureWarning (deprecated)"
         )
         assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {result}"
         _assert_chunks(ctx, target, _plain(3), "after the submodule-keyed load")
@@ -632,7 +635,7 @@ def dsd_submodule_keys_and_refusals(ctx):
     _expect_raise(
         ctx,
         RuntimeError,
-        r"lin1\._flat_param",
+        r"lin1\._flat_param contains _flat_param",
         "a key holding _flat_param",
         lambda: dsd.set_model_state_dict(model, {"lin1._flat_param": torch.zeros(2)}),
     )
