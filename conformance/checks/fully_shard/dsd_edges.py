@@ -639,3 +639,39 @@ def dsd_submodule_keys_and_refusals(ctx):
         "a key holding _flat_param",
         lambda: dsd.set_model_state_dict(model, {"lin1._flat_param": torch.zeros(2)}),
     )
+
+
+@check(area=AREA, requires=TRAIN, world_sizes=(2,))
+def dsd_optim_full_extra_entry(ctx):
+    """P52: a full optimizer dict (``full_state_dict=True``) of an ``amsgrad=True`` Adam loaded
+    with the same option into a fresh plain Adam (which has no ``max_exp_avg_sq`` entry of its
+    own): the optimizer takes the dict's options and every state entry, each moment this rank's
+    chunk of the dict's, and one more step gives the unsharded amsgrad Adam's parameters."""
+    dsd = _dsd()
+    oracle = Net(0).to(ctx.device)
+    model = _sharded(ctx, module=copy.deepcopy(oracle))
+    oopt = torch.optim.Adam(oracle.parameters(), lr=1e-2, amsgrad=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    for step in range(STEPS):
+        _step(ctx, oracle, oopt, step)
+        _step(ctx, model, opt, step)
+    full = dsd.StateDictOptions(full_state_dict=True)
+    osd = dsd.get_optimizer_state_dict(model, opt, options=full)
+    fresh = _sharded(ctx, module=copy.deepcopy(oracle))
+    fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    dsd.set_optimizer_state_dict(fresh, fopt, osd, options=full)
+    assert fopt.param_groups[0]["amsgrad"] is True, f"{ctx.where()} amsgrad not loaded"
+    for (name, p), fp in zip(oracle.named_parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            got = fopt.state[fp].get(key)
+            assert got is not None and hasattr(got, "to_local"), (
+                f"{ctx.where()} {name}.{key} after the full load: {type(got).__name__}, expected "
+                "a DTensor of this rank's chunk"
+            )
+            want = chunk_of(oopt.state[p][key].detach().cpu(), 0, ctx.world_size, ctx.rank)
+            assert_close(
+                ctx, f"{name}.{key} after the full load", got.to_local(), want, FP32["param"]
+            )
+    _step(ctx, oracle, oopt, STEPS)
+    _step(ctx, fresh, fopt, STEPS)
+    _assert_params(ctx, fresh, oracle, "one step after the full amsgrad load")
