@@ -74,6 +74,7 @@ FSDP1_GRAD_SCALER = "fsdp1-grad-scaler"  # ns.sharded_grad_scaler.ShardedGradSca
 FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
+FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlacementResult
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -154,6 +155,9 @@ PROMISES = {
     FSDP2_DP_MESH_DIMS: "`ns.fully_shard(module, mesh=<full SPMD mesh>, dp_mesh_dims="
     "ns.DataParallelMeshDims(shard=, replicate=))` over parameters that are DTensors replicated "
     "on that mesh: sharded on the named shard dim, replicated (HSDP) on the named replicate dim",
+    FSDP2_PER_PARAM_MESH: "`<ns>._fully_shard._fsdp_common` has `ShardPlacementResult(placement=, "
+    "mesh_info=)` and `FSDPMeshInfo(mesh, shard_mesh_dim=0)`; a `shard_placement_fn` returning one "
+    "shards that parameter over that mesh, in a parameter group of its own per process group",
 }
 
 
