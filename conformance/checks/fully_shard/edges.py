@@ -362,3 +362,25 @@ def hsdp_over_tensor_parallel(ctx):
         )
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     step_and_compare(ctx, model, oracle, opts, 0)
+
+
+@check(area="training", requires={base.FSDP2_API}, world_sizes=(1,))
+def container_slice(ctx):
+    """P61: slicing a ``fully_shard``-ed ``nn.Sequential`` (``model[0:2]``, which builds
+    ``type(model)(...)``) gives a plain, initialised ``nn.Sequential`` (not an ``FSDPModule``)
+    holding the same child modules, and leaves the model an ``FSDPModule`` of its three children."""
+    ns = ctx.impl.ns
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3))).to(ctx.device)
+    children = list(model)
+    ns.fully_shard(model, mesh=ctx.make_mesh((ctx.world_size,)))
+    part = model[0:2]
+    assert type(part) is nn.Sequential and not isinstance(part, ns.FSDPModule), (
+        f"{ctx.where()} model[0:2] is a {type(part).__name__}, expected a plain Sequential"
+    )
+    got = [id(m) for m in part]
+    assert got == [id(m) for m in children[:2]], (
+        f"{ctx.where()} model[0:2] holds {list(part)}, expected the model's first two children"
+    )
+    assert isinstance(model, ns.FSDPModule) and len(model) == 3, (
+        f"{ctx.where()} after slicing the model is a {type(model).__name__} of {len(model)}"
+    )

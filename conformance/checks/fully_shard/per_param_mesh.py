@@ -102,7 +102,9 @@ def per_param_mesh(ctx):
     shard_mesh_dim=0))`` for each block's ``expert`` parameters puts them on ``mesh2`` (chunk
     ``rank`` of ws) and the ``dense`` ones on the unit's mesh; backward all-gathers come in the
     module Note's order (each unit's two groups, then the previous unit's prefetched, last group
-    first, before the unit's backward runs); two SGD steps give the oracle's parameters."""
+    first, before the unit's backward runs); two SGD steps give the oracle's parameters. On a unit
+    of two groups ``set_custom_all_gather``, ``set_custom_reduce_scatter`` and
+    ``set_all_reduce_hook`` raise ValueError "... not supported with multiple param groups ..."."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -142,6 +144,14 @@ def per_param_mesh(ctx):
         assert torch.equal(param.to_local(), chunk_of(oracle.get_parameter(fqn), 0, ws, rank)), (
             f"{ctx.where()} {fqn}: local shard is not chunk {rank} of {ws}"
         )
+
+    for setter in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"):
+        try:
+            getattr(model.blocks[0], setter)(None)
+        except ValueError as exc:
+            assert "multiple param groups" in str(exc), f"{ctx.where()} {setter}: {exc!r}"
+        else:
+            raise AssertionError(f"{ctx.where()} {setter} accepted a unit of two groups")
 
     log: list = []
     for k, block in enumerate(model.blocks):
