@@ -5,8 +5,8 @@
 as one dim whose size is the product of theirs and whose index is the rank's row-major index over
 them. The sharded parameter is a DTensor on a mesh with that one flattened dim in place of the
 named ones (HSDP: preceded by the replicate dim, which leaves its own place), the other dims kept
-in order, so ``("rep", "dp", "cp")`` gives a 2-D ``(rep, dp*cp)`` mesh and ``("rep", "dp", "cp",
-"tp")`` a 3-D ``(rep, dp*cp, tp)`` one. On the shard dim the placement is ``Shard(0)``, or
+in order, so ``("dp", "cp", "tp")`` gives a 2-D ``(dp*cp, tp)`` mesh and ``("rep", "dp", "cp")`` a
+2-D ``(rep, dp*cp)`` one. On the shard dim the placement is ``Shard(0)``, or
 ``_StridedShard(0, split_factor=t)`` when a later (tensor-parallel) dim of size t already splits dim
 0; replicate dims are ``Replicate()``; tensor-parallel dims keep their placement. The local tensor
 is chunk ``index`` (over the flattened size, dim 0) of the tensor-parallel local tensor.
@@ -95,12 +95,7 @@ FLAT_CASES = {
         {"shard": ("dp", "cp"), "replicate": "rep"},
         None,
     ),
-    "flat-hsdp-tp": (
-        ("rep", "dp", "cp", "tp"),
-        (1, 1, 2, 2),
-        {"shard": ("dp", "cp"), "replicate": "rep"},
-        "tp",
-    ),
+    "flat-tp": (("dp", "cp", "tp"), (1, 2, 2), {"shard": ("dp", "cp")}, "tp"),
 }
 
 
