@@ -75,6 +75,7 @@ FSDP2_FORWARD_METHOD = "fsdp2-forward-method"  # register_fsdp_forward_method
 FSDP2_CUSTOM_COMMS = "fsdp2-custom-comms"  # set_custom_all_gather / set_custom_reduce_scatter
 FSDP2_DP_MESH_DIMS = "fsdp2-dp-mesh-dims"  # fully_shard(dp_mesh_dims=DataParallelMeshDims(...))
 FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlacementResult
+FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a fully_shard model
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -158,6 +159,8 @@ PROMISES = {
     FSDP2_PER_PARAM_MESH: "`<ns>._fully_shard._fsdp_common` has `ShardPlacementResult(placement=, "
     "mesh_info=)` and `FSDPMeshInfo(mesh, shard_mesh_dim=0)`; a `shard_placement_fn` returning one "
     "shards that parameter over that mesh, in a parameter group of its own per process group",
+    FSDP2_FUNCTORCH: "a `fully_shard` model runs under `torch.func` transforms (`torch.func.jvp`): "
+    "its hooks gather and free the parameters as in a plain forward, and tangents flow through",
 }
 
 

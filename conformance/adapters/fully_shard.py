@@ -39,6 +39,7 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_CUSTOM_COMMS,
             base.FSDP2_DP_MESH_DIMS,
             base.FSDP2_PER_PARAM_MESH,
+            base.FSDP2_FUNCTORCH,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -384,3 +384,40 @@ def container_slice(ctx):
     assert isinstance(model, ns.FSDPModule) and len(model) == 3, (
         f"{ctx.where()} after slicing the model is a {type(model).__name__} of {len(model)}"
     )
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.FSDP2_API, base.FSDP2_FUNCTORCH},
+    world_sizes=(1, 2),
+)
+def forward_mode_jvp(ctx):
+    """P62: ``torch.func.jvp`` through a ``fully_shard`` model (units ``inp``, ``out`` and the
+    root) gives the unsharded model's output and its directional derivative along ``v``, and the
+    model then trains on as before: a backward after it gives the oracle's sharded gradients."""
+    ws, rank = ctx.world_size, ctx.rank
+    mesh = ctx.make_mesh((ws,))
+    ctx.seed(0)
+    oracle = Pair().to(ctx.device)
+    model = copy.deepcopy(oracle)
+    for unit in (model.inp, model.out, model):
+        ctx.impl.ns.fully_shard(unit, mesh=mesh)
+    g = torch.Generator().manual_seed(96)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    v = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    mine = slice(rank * B, (rank + 1) * B)
+    out, tangent = torch.func.jvp(model, (x[mine],), (v[mine],))
+    with torch.no_grad():
+        want_out, want_tangent = torch.func.jvp(oracle, (x[mine],), (v[mine],))
+    assert_close(ctx, "jvp primal output", out, want_out, FP32["param"])
+    assert_close(ctx, "jvp tangent", tangent, want_tangent, FP32["param"])
+    model(x[mine]).square().mean().backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{fqn} sharded gradient after the jvp",
+            param.grad.to_local(),
+            chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
+            FP32["grad"],
+        )
