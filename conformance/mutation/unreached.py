@@ -71,18 +71,13 @@ def unreached(target: str, work: Path, fallback_ws: list[int]) -> dict:
         else:
             reached = not where.lines.isdisjoint(ran[m.file])
         name = funcs.setdefault(m.file, _function_of(text)).get(m.line, "<module>")
-        rows.append(
-            {"id": m.id, "group": m.part, "file": m.file, "function": name, "reached": reached}
-        )
+        rows.append({"id": m.id, "group": m.part, "file": m.file, "function": name, "reached": reached})
     return {"target": target, "mutants": rows}
 
 
 def render(data: dict, top: int) -> str:
     rows = data["mutants"]
-    out = [
-        f"# Reach of the {data['target']} target's counted mutants (ceiling of any draw's score)",
-        "",
-    ]
+    out = [f"# Reach of the {data['target']} target's counted mutants (ceiling of any draw's score)", ""]
     by_group = collections.defaultdict(lambda: [0, 0])
     for r in rows:
         by_group[r["group"]][0] += r["reached"]
@@ -95,21 +90,14 @@ def render(data: dict, top: int) -> str:
     missed = collections.Counter(
         (r["group"], r["file"], r["function"]) for r in rows if not r["reached"]
     )
-    out += [
-        f"## The {top} functions with most unreached mutants",
-        "",
-        "| unreached | group | function |",
-        "|---|---|---|",
-    ]
+    out += [f"## The {top} functions with most unreached mutants", "", "| unreached | group | function |", "|---|---|---|"]
     for (g, f, fn), n in missed.most_common(top):
         out.append(f"| {n} | {g} | `{f}`: `{fn}` |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m conformance.mutation.unreached", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m conformance.mutation.unreached", description=__doc__.split("\n")[0])
     p.add_argument("--target", choices=population.TARGETS, default="reference")
     p.add_argument("--work-dir", default="reports/mutation-work")
     p.add_argument("--fallback-world-sizes", default="4")
@@ -117,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write every mutant's placement here")
     args = p.parse_args(argv)
     fb = [int(w) for w in args.fallback_world_sizes.split(",") if w.strip()]
-    data = unreached(
-        args.target, (ROOT / args.work_dir).resolve(), [w for w in fb if w not in (1, 2)]
-    )
+    data = unreached(args.target, (ROOT / args.work_dir).resolve(), [w for w in fb if w not in (1, 2)])
     if args.json:
         Path(args.json).write_text(json.dumps(data))
     print(render(data, args.top))
