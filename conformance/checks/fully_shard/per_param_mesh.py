@@ -138,8 +138,10 @@ def per_param_mesh(ctx):
 
     for fqn, param in model.named_parameters():
         want_mesh = mesh2 if ".expert." in fqn else mesh
-        assert isinstance(param, DTensor) and param.device_mesh == want_mesh, (
-            f"{ctx.where()} {fqn}: on {getattr(param, 'device_mesh', None)}, expected {want_mesh}"
+        group = param.device_mesh.get_group(0) if isinstance(param, DTensor) else None
+        assert group is want_mesh.get_group(0), (
+            f"{ctx.where()} {fqn}: sharded over {group}, expected the process group of "
+            f"{'the second mesh' if want_mesh is mesh2 else 'the unit mesh'}"
         )
         assert torch.equal(param.to_local(), chunk_of(oracle.get_parameter(fqn), 0, ws, rank)), (
             f"{ctx.where()} {fqn}: local shard is not chunk {rank} of {ws}"
