@@ -159,33 +159,21 @@ def dp_mesh_dims_flattened(ctx, name):
             expected_local(fqn, oracle.get_parameter(fqn)),
             FP32["param"],
         )
-    opt = make_optimizer("sgd", model.parameters())
-    oopt = make_optimizer("sgd", oracle.parameters())
     mine = slice(replica * B, (replica + 1) * B)
-    for step in range(1):
-        g = torch.Generator().manual_seed(90 + step)
-        x = torch.randn(replicas * B, 4, generator=g).to(ctx.device)
-        model(x[mine]).square().mean().backward()
-        oracle(x).square().mean().backward()
-        for fqn, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"step {step}: {fqn} sharded gradient (averaged over {replicas} replicas)",
-                param.grad.to_local(),
-                expected_local(fqn, oracle.get_parameter(fqn).grad),
-                FP32["grad"],
-            )
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
-        for fqn, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"{fqn} after step {step}",
-                param.detach().full_tensor(),
-                oracle.get_parameter(fqn),
-                FP32["param"],
-            )
+    g = torch.Generator().manual_seed(90)
+    x = torch.randn(replicas * B, 4, generator=g).to(ctx.device)
+    model(x[mine]).square().mean().backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{fqn} sharded gradient (averaged over {replicas} replicas)",
+            param.grad.to_local(),
+            expected_local(fqn, oracle.get_parameter(fqn).grad),
+            FP32["grad"],
+        )
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    step_and_compare(ctx, model, oracle, opts, 0)
 
 
 REJECT_CASES = {
