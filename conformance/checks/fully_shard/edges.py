@@ -381,8 +381,8 @@ def container_slice(ctx):
 )
 def forward_mode_jvp(ctx):
     """P62: ``torch.func.jvp`` through a ``fully_shard`` model (units ``inp``, ``out`` and the
-    root) gives the unsharded model's output and its directional derivative along ``v``, and the
-    model then trains on as before: a backward after it gives the oracle's sharded gradients."""
+    root) gives the unsharded model's output and its directional derivative along ``v``, and a
+    backward from a loss on that output gives the oracle's sharded gradients."""
     ws, rank = ctx.world_size, ctx.rank
     mesh = ctx.make_mesh((ws,))
     ctx.seed(0)
@@ -399,12 +399,12 @@ def forward_mode_jvp(ctx):
         want_out, want_tangent = torch.func.jvp(oracle, (x[mine],), (v[mine],))
     assert_close(ctx, "jvp primal output", out, want_out, FP32["param"])
     assert_close(ctx, "jvp tangent", tangent, want_tangent, FP32["param"])
-    model(x[mine]).square().mean().backward()
+    out.square().mean().backward()  # through the jvp's primal output
     oracle(x).square().mean().backward()
     for fqn, param in model.named_parameters():
         assert_close(
             ctx,
-            f"{fqn} sharded gradient after the jvp",
+            f"{fqn} sharded gradient of a loss on the jvp's primal output",
             param.grad.to_local(),
             chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
             FP32["grad"],
