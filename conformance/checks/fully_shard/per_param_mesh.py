@@ -99,10 +99,12 @@ class Spy(TorchDispatchMode):
 )
 def per_param_mesh(ctx):
     """P60: ``shard_placement_fn`` returning ``ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh2,
-    shard_mesh_dim=0))`` for each block's ``expert`` parameters puts them on ``mesh2`` (chunk
-    ``rank`` of ws) and the ``dense`` ones on the unit's mesh; backward all-gathers come in the
-    module Note's order (each unit's two groups, then the previous unit's prefetched, last group
-    first, before the unit's backward runs); two SGD steps give the oracle's parameters. On a unit
+    shard_mesh_dim=0))`` for each block's ``expert`` parameters shards them over ``mesh2`` (another
+    process group over the same ranks: ``Shard(0)``, chunk ``rank`` of ws) in a group of their
+    own, gathered apart from the ``dense`` ones (the spy tells the two by size); backward
+    all-gathers come in the module Note's order (each unit's two groups, then the previous unit's
+    prefetched, last group first, before the unit's backward runs); two SGD steps give the
+    oracle's parameters. On a unit
     of two groups ``set_custom_all_gather``, ``set_custom_reduce_scatter`` and
     ``set_all_reduce_hook`` raise ValueError "... not supported with multiple param groups ..."."""
     import torch.distributed as dist
@@ -137,12 +139,12 @@ def per_param_mesh(ctx):
     assert len(sizes) == 2 * len(HIDDEN), f"{ctx.where()} setup: sizes collide {sizes}"
 
     for fqn, param in model.named_parameters():
-        want_mesh = mesh2 if ".expert." in fqn else mesh
-        group = param.device_mesh.get_group(0) if isinstance(param, DTensor) else None
-        assert group is want_mesh.get_group(0), (
-            f"{ctx.where()} {fqn}: sharded over {group}, expected the process group of "
-            f"{'the second mesh' if want_mesh is mesh2 else 'the unit mesh'}"
+        got = (
+            (param.device_mesh.size(), tuple(param.placements))
+            if isinstance(param, DTensor)
+            else None
         )
+        assert got == (ws, (Shard(0),)), f"{ctx.where()} {fqn}: (mesh size, placements) {got}"
         assert torch.equal(param.to_local(), chunk_of(oracle.get_parameter(fqn), 0, ws, rank)), (
             f"{ctx.where()} {fqn}: local shard is not chunk {rank} of {ws}"
         )
