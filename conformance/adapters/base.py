@@ -78,6 +78,8 @@ FSDP1_EXEC_ORDER_CHECK = "fsdp1-exec-order-check"  # DebugLevel.DETAIL validates
 FSDP1_PREFETCH = "fsdp1-prefetch"  # forward_prefetch / BACKWARD_PRE gather the next unit ahead
 FSDP1_MODULE_TO = "fsdp1-module-to"  # model.to(dtype) on an FSDP1 model (use_orig_params=True)
 FSDP1_FULL_PREC_IN_EVAL = "fsdp1-full-prec-in-eval"  # env FSDP_USE_FULL_PREC_IN_EVAL=1 (FSDP1)
+FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlacementResult
+FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a fully_shard model
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -172,6 +174,11 @@ PROMISES = {
     FSDP1_FULL_PREC_IN_EVAL: "with `FSDP_USE_FULL_PREC_IN_EVAL=1` in the environment at "
     "construction, an FSDP1 unit with `MixedPrecision` computes in full precision (parameters, "
     "buffers, output) while in `eval()` mode and in the low precision again after `train()`",
+    FSDP2_PER_PARAM_MESH: "`<ns>._fully_shard._fsdp_common` has `ShardPlacementResult(placement=, "
+    "mesh_info=)` and `FSDPMeshInfo(mesh, shard_mesh_dim=0)`; a `shard_placement_fn` returning one "
+    "shards that parameter over that mesh, in a parameter group of its own per process group",
+    FSDP2_FUNCTORCH: "a `fully_shard` model runs under `torch.func` transforms (`torch.func.jvp`): "
+    "its hooks gather and free the parameters as in a plain forward, and tangents flow through",
 }
 
 

@@ -38,6 +38,8 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_FORWARD_METHOD,
             base.FSDP2_CUSTOM_COMMS,
             base.FSDP2_DP_MESH_DIMS,
+            base.FSDP2_PER_PARAM_MESH,
+            base.FSDP2_FUNCTORCH,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

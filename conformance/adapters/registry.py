@@ -49,6 +49,8 @@ def _reference_fsdp2():
         base.FSDP2_FORWARD_METHOD,
         base.FSDP2_CUSTOM_COMMS,
         base.FSDP2_DP_MESH_DIMS,
+        base.FSDP2_PER_PARAM_MESH,
+        base.FSDP2_FUNCTORCH,
     }
     return impl
 
