@@ -272,9 +272,10 @@ def test_assign_loads_drawn_for_fsdp2_sharded_dicts_only():
 
     for impl in ("reference", "torch-fsdp2"):
         features = _case_features(state_dict_round_trip, "sharded", impl)
-        drawn = _derandomized(impl, features, 60)
+        # 120 draws: a fifth at least (60 gave 13-17, at the mercy of any change to the strategy)
+        drawn = _derandomized(impl, features, 120)
         assigned = [e for e in drawn if e.get("assign")]
-        assert len(assigned) >= 15, (impl, len(assigned))
+        assert len(assigned) >= 24, (impl, len(assigned))
         assert not any(e.get("ties") for e in assigned)
         for case in ("full", "local"):
             assert fs.ASSIGN not in _case_features(state_dict_round_trip, case, impl)
