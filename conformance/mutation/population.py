@@ -364,16 +364,10 @@ def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Re
     module defines (an ``__all__``, a dataclass, a constant read by another file of the part). A
     case that ran no reference line at all can only depend on such definitions: it is selected
     too (e.g. one that builds the FSDP1 configuration dataclasses, whose methods are generated).
-    For the torch target, an import-time change selects the cases that ran a line of its file
-    (every case of the file's group when none did; see the comment in the body)."""
-    if where.import_time and target_of(file) == "torch":
-        # torch's modules are imported before any check runs (the harness imports FSDP), so no
-        # case's lines name them: the cases that use what the file defines are those that ran
-        # any of its lines, or, when none did (a dataclass whose methods are generated), every
-        # case of its group
-        same = [nodeid for nodeid, files in coverage.items() if files.get(file)]
-        if same:
-            return same
+    The torch target follows the same rule with its file groups as parts: torch's modules are
+    imported before any check runs, so no case's lines name them, and the cases that ran a line
+    of the file miss those that only use a generated method (``MixedPrecisionPolicy(...)`` runs
+    the dataclass's ``__init__``, which has no line in the file)."""
     if where.import_time:
         part = part_of(file)
         return [

@@ -107,6 +107,27 @@ def test_selection_takes_the_cases_that_ran_the_lines():
     assert population.select_cases(cov, x, whole) == ["a", "b", "d", "f"]
 
 
+def test_a_torch_class_level_mutant_runs_every_case_of_its_group():
+    # a dataclass's generated __init__ has no line in its file: the cases that build
+    # MixedPrecisionPolicy ran lines of other files of the group only, and must run too
+    api = "torch/distributed/fsdp/_fully_shard/_fsdp_api.py"
+    param = "torch/distributed/fsdp/_fully_shard/_fsdp_param.py"
+    state = "torch/distributed/fsdp/_fully_shard/_fsdp_state.py"
+    assert population.part_of(api) == population.part_of(param) != population.part_of(state)
+    cov = {
+        "ran-the-file": {api: [40]},
+        "same-group": {param: [200]},
+        "other-group": {state: [300]},
+        "no-fsdp-line": {},
+    }
+    class_level = population.Reach(frozenset(), True)
+    assert population.select_cases(cov, api, class_level) == [
+        "ran-the-file",
+        "same-group",
+        "no-fsdp-line",
+    ]
+
+
 def test_unreached_places_each_mutant_by_the_lines_the_cases_ran(tmp_path):
     from conformance.mutation import unreached
 
