@@ -76,7 +76,10 @@ def no_sync_inner_refused(ctx):
 def state_dict_type_single_module(ctx):
     """S37: on a model with exactly one FSDP module, ``FSDP.get_state_dict_type(model)`` returns
     that module's settings: after ``set_state_dict_type(model, SHARDED_STATE_DICT, cfg)`` the
-    type, that very config object and a ShardedOptimStateDictConfig."""
+    type, that very config object and a ShardedOptimStateDictConfig. On a module holding no FSDP
+    module it returns None; on a tree whose units' settings differ (only the inner unit set to
+    SHARDED) it raises AssertionError "All FSDP modules must have the same state dict
+    settings"."""
     ns = ctx.impl.ns
     FSDP = ns.FullyShardedDataParallel
     ctx.seed(0)
@@ -96,6 +99,27 @@ def state_dict_type_single_module(ctx):
         f"{ctx.where()} get_state_dict_type: optim config {got.optim_state_dict_config!r}, "
         f"expected the SHARDED type's default ShardedOptimStateDictConfig"
     )
+    plain = FSDP.get_state_dict_type(nn.Linear(2, 2))
+    assert plain is None, (
+        f"{ctx.where()} get_state_dict_type(a module without FSDP modules) = {plain!r}, "
+        "expected None"
+    )
+    # two units whose settings differ: refused
+    nested, _, _ = build(ctx, False)
+    (inner,) = [u for u in _units(nested, FSDP) if u is not nested]
+    FSDP.set_state_dict_type(inner, ns.StateDictType.SHARDED_STATE_DICT)
+    try:
+        mixed = FSDP.get_state_dict_type(nested)
+    except AssertionError as exc:
+        assert "same state dict settings" in str(exc), (
+            f"{ctx.where()} get_state_dict_type(units with different settings): "
+            f"AssertionError {str(exc)!r} does not say 'same state dict settings'"
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} get_state_dict_type(units with different settings) = {mixed!r}, "
+            "expected AssertionError 'All FSDP modules must have the same state dict settings'"
+        )
 
 
 @check(area="state_dict", requires=REQUIRES, world_sizes=(1, 2))
