@@ -212,7 +212,9 @@ def orig_params_sharded_numels(ctx):
     """R38: ``use_orig_params=True``, FULL_SHARD at ws 2, one unit over parameters of numels 35,
     7, 21, 3: between unshards each original parameter (``named_parameters()``) holds its part of
     this rank's shard, 1-D, with ``numel_in_shard`` elements of the R10 layout and 0 elements when
-    none of it lies in the shard; so after construction and again after a training step."""
+    none of it lies in the shard; so after construction and again after a training step. After
+    the backward a parameter with 0 elements here (at rank 0, the bias of 7 whose range starts
+    exactly where rank 1's shard does) has ``.grad`` None, the others a gradient (R1)."""
     from conformance.checks.fsdp1.wrapper_api import layout_rule
 
     ctx.seed(0)
@@ -237,6 +239,14 @@ def orig_params_sharded_numels(ctx):
 
     check_now("after construction")
     model(torch.randn(2, 5, device=ctx.device)).sum().backward()
+    grads = {ctx.impl.clean_fqn(n): p.grad for n, p in model.named_parameters()}
+    for name, n in want.items():  # R1: no element here (also one touching the shard): no .grad
+        grad = grads[name]
+        assert (grad is None) == (n == 0), (
+            f"{ctx.where()} after backward: {name} holds {n} element(s) here but its .grad is "
+            f"{None if grad is None else tuple(grad.shape)}; expected "
+            f"{'None' if n == 0 else f'({n},)'}"
+        )
     opt.step()
     check_now("after a training step")
 

@@ -401,7 +401,8 @@ def reset_iter_state_after_failure(ctx, phase):
     alike: no all-gather begun before the reset may be used), the next iterations train as the
     oracle (sharded gradients its chunks, parameters after two SGD steps its values). On a non-root unit after lazy init,
     ``reset_iter_state()`` raises RuntimeError "reset_iter_state must be called on the root
-    FSDP module"."""
+    FSDP module". An all-gather still pending at the reset (``inp.unshard(async_op=True)``, never
+    waited) is discarded: the halved parameters are what the next forward gathers."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
@@ -427,6 +428,7 @@ def reset_iter_state_after_failure(ctx, phase):
     assert model.out.forward == inner, f"{ctx.where()} setup: out.forward not restored"
     for p in model.parameters():
         p.grad = None  # the failed iteration's gradients are lost
+    model.inp.unshard(async_op=True)  # an all-gather still pending at the reset (never waited)
     model.reset_iter_state()
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), (
