@@ -450,17 +450,22 @@ class FullyShardedDataParallel(_FSDPState):
         return prev
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The (common) state-dict settings of the FSDP modules under ``module``."""
-        modules = FullyShardedDataParallel.fsdp_modules(module)
-        if not modules:
-            raise ValueError("No FSDP modules found in the given module")
-        first = modules[0]
-        return StateDictSettings(
-            first._state_dict_type,
-            first._state_dict_config,
-            first._optim_state_dict_config,
-        )
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+        """The common state-dict settings of the FSDP modules under ``module``; None when there is
+        none, AssertionError when two of them differ (as upstream)."""
+        settings = None
+        for m in FullyShardedDataParallel.fsdp_modules(module):
+            mine = StateDictSettings(
+                m._state_dict_type, m._state_dict_config, m._optim_state_dict_config
+            )
+            if settings is None:
+                settings = mine
+            elif mine != settings:
+                raise AssertionError(
+                    "All FSDP modules must have the same state dict settings. "
+                    f"Got {mine} and {settings}."
+                )
+        return settings
 
     @staticmethod
     @contextlib.contextmanager

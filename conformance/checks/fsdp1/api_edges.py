@@ -76,7 +76,10 @@ def no_sync_inner_refused(ctx):
 def state_dict_type_single_module(ctx):
     """S37: on a model with exactly one FSDP module, ``FSDP.get_state_dict_type(model)`` returns
     that module's settings: after ``set_state_dict_type(model, SHARDED_STATE_DICT, cfg)`` the
-    type, that very config object and a ShardedOptimStateDictConfig."""
+    type, that very config object and a ShardedOptimStateDictConfig. On a module holding no FSDP
+    module it returns None; on a tree whose units' settings differ (only the inner unit set to
+    SHARDED) it raises AssertionError "All FSDP modules must have the same state dict
+    settings"."""
     ns = ctx.impl.ns
     FSDP = ns.FullyShardedDataParallel
     ctx.seed(0)
@@ -96,6 +99,27 @@ def state_dict_type_single_module(ctx):
         f"{ctx.where()} get_state_dict_type: optim config {got.optim_state_dict_config!r}, "
         f"expected the SHARDED type's default ShardedOptimStateDictConfig"
     )
+    plain = FSDP.get_state_dict_type(nn.Linear(2, 2))
+    assert plain is None, (
+        f"{ctx.where()} get_state_dict_type(a module without FSDP modules) = {plain!r}, "
+        "expected None"
+    )
+    # two units whose settings differ: refused
+    nested, _, _ = build(ctx, False)
+    (inner,) = [u for u in _units(nested, FSDP) if u is not nested]
+    FSDP.set_state_dict_type(inner, ns.StateDictType.SHARDED_STATE_DICT)
+    try:
+        mixed = FSDP.get_state_dict_type(nested)
+    except AssertionError as exc:
+        assert "same state dict settings" in str(exc), (
+            f"{ctx.where()} get_state_dict_type(units with different settings): "
+            f"AssertionError {str(exc)!r} does not say 'same state dict settings'"
+        )
+    else:
+        raise AssertionError(
+            f"{ctx.where()} get_state_dict_type(units with different settings) = {mixed!r}, "
+            "expected AssertionError 'All FSDP modules must have the same state dict settings'"
+        )
 
 
 @check(area="state_dict", requires=REQUIRES, world_sizes=(1, 2))
@@ -188,7 +212,9 @@ def orig_params_sharded_numels(ctx):
     """R38: ``use_orig_params=True``, FULL_SHARD at ws 2, one unit over parameters of numels 35,
     7, 21, 3: between unshards each original parameter (``named_parameters()``) holds its part of
     this rank's shard, 1-D, with ``numel_in_shard`` elements of the R10 layout and 0 elements when
-    none of it lies in the shard; so after construction and again after a training step."""
+    none of it lies in the shard; so after construction and again after a training step. After
+    the backward a parameter with 0 elements here (at rank 0, the bias of 7 whose range starts
+    exactly where rank 1's shard does) has ``.grad`` None, the others a gradient (R1)."""
     from conformance.checks.fsdp1.wrapper_api import layout_rule
 
     ctx.seed(0)
@@ -213,6 +239,14 @@ def orig_params_sharded_numels(ctx):
 
     check_now("after construction")
     model(torch.randn(2, 5, device=ctx.device)).sum().backward()
+    grads = {ctx.impl.clean_fqn(n): p.grad for n, p in model.named_parameters()}
+    for name, n in want.items():  # R1: no element here (also one touching the shard): no .grad
+        grad = grads[name]
+        assert (grad is None) == (n == 0), (
+            f"{ctx.where()} after backward: {name} holds {n} element(s) here but its .grad is "
+            f"{None if grad is None else tuple(grad.shape)}; expected "
+            f"{'None' if n == 0 else f'({n},)'}"
+        )
     opt.step()
     check_now("after a training step")
 

@@ -4,7 +4,9 @@
 * R12: while a unit's forward runs (from the first module it wraps to its last), the unit is
   busy: ``summon_full_params`` on it raises AssertionError "Cannot manually unshard parameters
   during forward/backward" before any change, and the forward, when the caller catches the error,
-  completes with the unsharded model's output.
+  completes with the unsharded model's output. Conversely, with ``use_orig_params=False`` on a
+  unit that shards, a forward inside ``summon_full_params`` raises (torch 2.13: an
+  AssertionError from its unshard; with ``use_orig_params=True`` or NO_SHARD it runs).
 * R13: a forward without autograd (``torch.no_grad()``, e.g. evaluation) reshards on return: with
   ``use_orig_params=True`` every name of ``named_parameters()`` is there again, the very
   Parameter object it was before the forward, with its sharded shape.
@@ -53,7 +55,9 @@ def inner_unit(ctx, model) -> nn.Module:
 def summon_refused_in_forward(ctx, orig):
     """R12: ``summon_full_params(root)`` called from inside the root's forward (a pre-hook of the
     root's own ``head``) raises AssertionError "... during forward/backward"; the forward then
-    completes with the unsharded model's output."""
+    completes with the unsharded model's output. Conversely, with ``use_orig_params=False`` at
+    world size >= 2, a forward of the root inside ``summon_full_params(root)`` is refused
+    (raises)."""
     model, oracle, fsdp = build(ctx, orig)
     seen: list[BaseException | None] = []
 
@@ -80,6 +84,20 @@ def summon_refused_in_forward(ctx, orig):
         "'Cannot manually unshard parameters during forward/backward'"
     )
     assert_close(ctx, "forward output after the refused summon", out, oracle(x), FP32["loss"])
+    if orig or ctx.world_size == 1:
+        return  # upstream runs such a forward; only the flat, sharded case is refused
+    # the converse: a forward inside summon_full_params(root) is refused (last: the refusal may
+    # leave the model unusable)
+    try:
+        with fsdp.summon_full_params(model, writeback=False):
+            model(x)
+    except Exception:  # noqa: BLE001 - any refusal; upstream's is an AssertionError
+        pass
+    else:
+        raise AssertionError(
+            f"{ctx.where()} a forward inside summon_full_params(root) ran; expected it refused "
+            "(an exception)"
+        )
 
 
 def root_head(ctx, model) -> nn.Module:

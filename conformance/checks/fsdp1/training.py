@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -94,10 +95,10 @@ def assert_orig_param_grads(ctx, model, oracle, what: str, tol=FP32["grad"]) -> 
         view, grad = views[name], grads.get(name)
         n = view.local.numel()
         expected = ref.grad.detach().reshape(-1)[view.offset : view.offset + n]
-        if n == 0:
-            assert grad is None or grad.numel() == 0, (
+        if n == 0:  # R1: its range does not meet this rank's shard: .grad None
+            assert grad is None or ref.numel() == 0, (
                 f"{ctx.where()} {what}: {name} holds no elements here but has a gradient of "
-                f"{grad.numel()} elements"
+                f"{grad.numel()} elements, expected None"
             )
             continue
         assert grad is not None, f"{ctx.where()} {what}: {name} has no gradient"
@@ -131,9 +132,22 @@ def run_flat_parity(
             with (
                 contextlib.nullcontext() if sync else model.no_sync(),
                 observe_reduce_scatter() as reductions,
+                warnings.catch_warnings(record=True) as caught,
             ):
+                warnings.simplefilter("always", FutureWarning)
+                warnings.simplefilter("always", DeprecationWarning)
                 loss = per_sample_loss(model_name, model(x[mine]), y[mine]).mean()
                 loss.backward()
+            deprecated = [
+                str(w.message)
+                for w in caught
+                if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                and "torch.distributed" in str(w.message)
+            ]
+            assert not deprecated, (
+                f"{ctx.where()} step {step}: forward/backward called deprecated torch.distributed "
+                f"API(s): {deprecated[:3]} (P6: no deprecation warning in a training iteration)"
+            )
             assert sync or not reductions, (
                 f"{ctx.where()} step {step}: the backward inside no_sync() reduce-scattered "
                 f"{len(reductions)} gradient(s), expected none (accumulate locally)"

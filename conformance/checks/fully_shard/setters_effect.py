@@ -397,10 +397,12 @@ def reset_iter_state_after_failure(ctx, phase):
     """P37: a forward that raises inside ``out``'s forward (``inp`` ran; ``out`` was unsharded
     for it), or a backward that raises inside ``out`` (after its pre-backward unsharded it),
     caught by the caller, then ``model.reset_iter_state()`` on the root: every unit is SHARDED
-    again (DTensor parameters) and the next iterations train as the oracle (sharded gradients
-    its chunks, parameters after two SGD steps its values). On a non-root unit after lazy init,
+    again (DTensor parameters) and, after every parameter is halved in place (model and oracle
+    alike: no all-gather begun before the reset may be used), the next iterations train as the
+    oracle (sharded gradients its chunks, parameters after two SGD steps its values). On a non-root unit after lazy init,
     ``reset_iter_state()`` raises RuntimeError "reset_iter_state must be called on the root
-    FSDP module"."""
+    FSDP module". An all-gather still pending at the reset (``inp.unshard(async_op=True)``, never
+    waited) is discarded: the halved parameters are what the next forward gathers."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
@@ -426,6 +428,7 @@ def reset_iter_state_after_failure(ctx, phase):
     assert model.out.forward == inner, f"{ctx.where()} setup: out.forward not restored"
     for p in model.parameters():
         p.grad = None  # the failed iteration's gradients are lost
+    model.inp.unshard(async_op=True)  # an all-gather still pending at the reset (never waited)
     model.reset_iter_state()
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), (
@@ -443,6 +446,10 @@ def reset_iter_state_after_failure(ctx, phase):
             f"{ctx.where()} out.reset_iter_state() on a non-root unit raised nothing; expected "
             "RuntimeError 'reset_iter_state must be called on the root FSDP module'"
         )
+    with torch.no_grad():  # new values: an all-gather begun before the reset is stale now
+        for module in (model, oracle):
+            for param in module.parameters():
+                param.mul_(0.5)
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     for step in range(2):
         x, y = make_batch("mlp", ctx.world_size, step, ctx.device)

@@ -208,23 +208,34 @@ class BatchNormContainer(nn.Module):
 
 
 class RecordingBatchNorm(nn.BatchNorm1d):
-    """A BatchNorm1d that records the dtypes of its input and weight inside forward (W11)."""
+    """A BatchNorm1d that records the dtypes of its input and weight inside forward (W11), and
+    takes a second, non-floating input (a bool ``mask`` the output is multiplied by): the
+    override's input cast must hand it over unchanged (``mask_seen``: its dtype, or None)."""
 
     def __init__(self, features: int):
         super().__init__(features)
         self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+        self.mask_seen: list[torch.dtype | None] = []
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         self.seen.append((x.dtype, self.weight.dtype))
-        return super().forward(x)
+        self.mask_seen.append(None if mask is None else mask.dtype)
+        out = super().forward(x)
+        return out if mask is None else out * mask
 
 
 class RecordingNormNet(NormNet):
-    """:class:`NormNet` whose batch norm is a :class:`RecordingBatchNorm`."""
+    """:class:`NormNet` whose batch norm is a :class:`RecordingBatchNorm`, called with an
+    all-True bool mask next to its input."""
 
     def __init__(self):
         super().__init__()
         self.bn = RecordingBatchNorm(8)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        mask = torch.ones(h.shape, dtype=torch.bool, device=h.device)
+        return self.lin2(torch.relu(self.bn(h, mask)))
 
 
 class ZeroArgNet(nn.Module):

@@ -147,15 +147,23 @@ def fsdp1_custom_policy_bad_return(ctx):
 @check(
     area="wrap",
     requires={base.AUTO_WRAP, base.FSDP1_API},
-    cases={"use-orig-params": {"use_orig_params": True}, "flat-params": {"use_orig_params": False}},
+    cases={
+        "use-orig-params": {"use_orig_params": True},
+        "flat-params": {"use_orig_params": False},
+        # layers.0.attn wholly frozen (uniform): the offender is layers.1.attn, after it
+        "flat-params-first-uniform": {"use_orig_params": False, "first_uniform": True},
+    },
 )
-def fsdp1_mixed_frozen_params(ctx, use_orig_params):
+def fsdp1_mixed_frozen_params(ctx, use_orig_params, first_uniform=False):
     """W12: a ModuleWrapPolicy target mixing frozen and trainable parameters raises ValueError
-    (use_orig_params=False, first offender in post-order) or warns once per offender (True) and
-    wraps as planned."""
+    (use_orig_params=False, first offender in post-order, also when a uniform target comes
+    before it) or warns once per offender (True) and wraps as planned."""
     ns = ctx.impl.ns
     ctx.seed(0)
     model = zoo.LoraModel()
+    if first_uniform:
+        for p in model.layers[0].attn.parameters():
+            p.requires_grad_(False)
     policy = ns.wrap.ModuleWrapPolicy({zoo.LoraAttention})
     build = functools.partial(
         ns.FullyShardedDataParallel,
@@ -167,7 +175,8 @@ def fsdp1_mixed_frozen_params(ctx, use_orig_params):
     if not use_orig_params:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            expect_raise(ctx, "W12", ValueError, lora_message("layers.0.attn", False), build)
+            offender = "layers.1.attn" if first_uniform else "layers.0.attn"
+            expect_raise(ctx, "W12", ValueError, lora_message(offender, False), build)
         return
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -222,8 +231,9 @@ def fsdp1_mixed_precision_override_warning(ctx, with_policy):
 )
 def fsdp1_batch_norm_override_forward(ctx, never):
     """W11: under FSDP1 with fp16 mixed precision and an auto_wrap_policy, the batch norm's own
-    unit computes in fp32 (its input is cast up and its weight is fp32) and hands its output back
-    in the dtype its input had (fp16); forward and backward run, the output is fp16."""
+    unit computes in fp32 (its input is cast up and its weight is fp32; a non-floating input,
+    a bool mask, arrives unchanged) and hands its output back in the dtype its input had (fp16);
+    forward and backward run, the output is fp16."""
     ns = ctx.impl.ns
     ctx.seed(0)
     model = zoo.RecordingNormNet()
@@ -242,6 +252,10 @@ def fsdp1_batch_norm_override_forward(ctx, never):
     assert model.bn.seen == [(torch.float32, torch.float32)], (
         f"{ctx.where()} W11 the batch norm saw (input, weight) dtypes {model.bn.seen}, expected "
         "[(float32, float32)] (mixed precision disabled for its unit)"
+    )
+    assert model.bn.mask_seen == [torch.bool], (
+        f"{ctx.where()} W11 the batch norm's bool mask arrived as {model.bn.mask_seen}, expected "
+        "[torch.bool] (the fp32 input cast leaves non-floating inputs as they are)"
     )
     assert bn_out == [FP16], (
         f"{ctx.where()} W11 the batch norm's output was {bn_out}, expected [float16] (cast back)"

@@ -19,7 +19,8 @@ from conformance.registry import check
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
 def policy_callables(ctx):
     """W1/W9: the callable policies answer the recurse and wrap questions directly:
-    size-based(40) is False at 39 and True at 40 for both, never recurses into a force leaf
+    size-based(40) is False at 39 and True at 40 for both (without ``min_num_params`` the
+    threshold is ``int(1e8)``: False at 99,999,999, True at 100,000,000), never recurses into a force leaf
     (MultiheadAttention) nor wraps an excluded container (ModuleList); ModuleWrapPolicy /
     transformer_auto_wrap_policy say True to recurse and isinstance to wrap; lambda_auto_wrap_policy
     recurses always and wraps where its function says; always_wrap_policy always says True;
@@ -41,6 +42,8 @@ def policy_callables(ctx):
         ("size_based(40)", size40, mha, False, 400, True),
         ("size_based(40)", size40, mlist, True, 400, True),
         ("size_based(40)", size40, mlist, False, 400, False),
+        ("size_based()", W.size_based_auto_wrap_policy, lin, False, 10**8 - 1, False),
+        ("size_based()", W.size_based_auto_wrap_policy, lin, False, 10**8, True),
         ("ModuleWrapPolicy", module_policy, mha, True, 0, True),
         ("ModuleWrapPolicy", module_policy, lin, False, 0, True),
         ("ModuleWrapPolicy", module_policy, mha, False, 0, False),
