@@ -80,6 +80,7 @@ FSDP1_MODULE_TO = "fsdp1-module-to"  # model.to(dtype) on an FSDP1 model (use_or
 FSDP1_FULL_PREC_IN_EVAL = "fsdp1-full-prec-in-eval"  # env FSDP_USE_FULL_PREC_IN_EVAL=1 (FSDP1)
 FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlacementResult
 FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a fully_shard model
+FSDP1_CPU_OFFLOAD = "fsdp1-cpu-offload"  # FSDP1 CPUOffload(offload_params=True) at construction
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -179,6 +180,9 @@ PROMISES = {
     "shards that parameter over that mesh, in a parameter group of its own per process group",
     FSDP2_FUNCTORCH: "a `fully_shard` model runs under `torch.func` transforms (`torch.func.jvp`): "
     "its hooks gather and free the parameters as in a plain forward, and tangents flow through",
+    FSDP1_CPU_OFFLOAD: "`ns.FullyShardedDataParallel(module, cpu_offload=ns.CPUOffload("
+    "offload_params=True))` builds units whose flat parameters (each rank's shard of the "
+    "flattened original parameters) live on the CPU, whatever the compute device",
 }
 
 

@@ -51,6 +51,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_PREFETCH,
             base.FSDP1_MODULE_TO,
             base.FSDP1_FULL_PREC_IN_EVAL,
+            base.FSDP1_CPU_OFFLOAD,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

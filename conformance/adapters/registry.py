@@ -73,6 +73,7 @@ def _reference_fsdp1():
         base.FSDP1_PREFETCH,
         base.FSDP1_MODULE_TO,
         base.FSDP1_FULL_PREC_IN_EVAL,
+        base.FSDP1_CPU_OFFLOAD,
     }
     return impl
 

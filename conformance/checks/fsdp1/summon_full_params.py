@@ -224,7 +224,8 @@ def summon_with_grads(ctx, orig):
     (NotImplementedError "with_grads=True, use_orig_params=..., offload_to_cpu=..."); with
     ``use_orig_params=True`` every parameter's ``.grad`` inside is the full gradient (the
     unsharded model's on the same global batch), and after exit the sharded gradients are
-    unchanged."""
+    unchanged. R58: after ``model.zero_grad(set_to_none=True)`` every ``.grad`` inside
+    ``summon_full_params(with_grads=True)`` is None."""
     model, oracle, FSDP = build(ctx, orig)
     x = torch.randn(2 * ctx.world_size, 5, generator=torch.Generator().manual_seed(3))
     x = x.to(ctx.device)
@@ -263,6 +264,13 @@ def summon_with_grads(ctx, orig):
         )
         if old is not None:
             assert_close(ctx, f"after summon(with_grads): {name}.grad", p.grad, old, FP32["grad"])
+    model.zero_grad(set_to_none=True)
+    with FSDP.summon_full_params(model, with_grads=True):
+        stale = {n: p.grad for n, p in visible(ctx, model).items() if p.grad is not None}
+    assert not stale, (
+        f"{ctx.where()} after zero_grad(set_to_none=True), summon(with_grads) shows gradients for "
+        f"{sorted(stale)}; expected every .grad None (R58)"
+    )
 
 
 @check(area="fsdp1_runtime", requires=REQUIRES, cases=ORIG)

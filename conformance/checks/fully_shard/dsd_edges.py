@@ -101,7 +101,8 @@ def dsd_compiled_wrapper(ctx):
     ``get_optimizer_state_dict`` are keyed by the unwrapped model's FQNs with this rank's chunks /
     the full values / the unsharded Adam's state; ``set_model_state_dict`` /
     ``set_optimizer_state_dict`` load such dicts into a fresh wrapped model, after which one more
-    step gives the unsharded model's parameters; a strict load of a sharded dict lacking
+    step gives the unsharded model's parameters; the full dict passed by rank 0 only (the others
+    ``{}``) with ``broadcast_from_rank0=True`` gives every rank its chunks of it; a strict load of a sharded dict lacking
     ``lin2.bias`` is refused with RuntimeError naming it, and with ``strict=False`` the key keeps
     the model's own value."""
     dsd = _dsd()
@@ -140,6 +141,13 @@ def dsd_compiled_wrapper(ctx):
     _step(ctx, oracle, oopt, STEPS)
     _step(ctx, fresh, fopt, STEPS)
     _assert_params(ctx, fresh, oracle, "(wrapped) one step after the load")
+
+    target = _wrap(_sharded(ctx, 3))
+    bcast = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    source = dict(full) if ctx.rank == 0 else {}
+    result = dsd.set_model_state_dict(target, source, options=bcast)
+    assert not result.missing_keys and not result.unexpected_keys, f"{ctx.where()} {result}"
+    _assert_chunks(ctx, target._orig_mod, plain, "after a broadcast_from_rank0 load (wrapped)")
 
     lacking = {
         k: v for k, v in dsd.get_model_state_dict(_sharded(ctx, 3)).items() if k != "lin2.bias"
@@ -493,10 +501,11 @@ def dsd_flatten_edges(ctx):
 # ---------------------------------------------------------------------- P54: patched methods
 @check(area=AREA, requires=TRAIN, world_sizes=(2,))
 def dsd_patched_methods(ctx):
-    """P54: after ``_patch_model_state_dict(model, options=full_state_dict)`` the model's own
+    """P54: after ``_patch_model_state_dict(model=model, options=full_state_dict)`` (``model`` by
+    keyword here, positionally for the fresh model below) the model's own
     ``state_dict()`` is ``get_model_state_dict``'s (full values under the unsharded FQNs) and its
     ``load_state_dict(full dict)`` leaves this rank's chunks of it; after
-    ``_patch_optimizer_state_dict(model, optimizers=opt, options=full_state_dict)`` the
+    ``_patch_optimizer_state_dict(model=model, optimizers=opt, options=full_state_dict)`` the
     optimizer's ``state_dict()`` is the FQN-keyed full DSD dict (the unsharded Adam's state) and a
     patched fresh optimizer's ``load_state_dict`` of it shards and restores the state (one more
     step: the unsharded parameters)."""
@@ -511,13 +520,13 @@ def dsd_patched_methods(ctx):
             _step(ctx, oracle, oopt, step)
             _step(ctx, model, opt, step)
         full = dsd.StateDictOptions(full_state_dict=True)
-        dsd._patch_model_state_dict(model, options=full)
+        dsd._patch_model_state_dict(model=model, options=full)
         sd = model.state_dict()
         plain = {k: v.detach().cpu() for k, v in oracle.state_dict().items()}
         assert sorted(sd) == sorted(plain), f"{ctx.where()} patched state_dict keys {sorted(sd)}"
         for fqn, value in sd.items():
             assert_close(ctx, f"patched state_dict {fqn}", value, plain[fqn], FP32["param"])
-        dsd._patch_optimizer_state_dict(model, optimizers=(opt,), options=full)
+        dsd._patch_optimizer_state_dict(model=model, optimizers=(opt,), options=full)
         osd = opt.state_dict()
 
         def no_shards(name, key, value, full_value):
