@@ -72,6 +72,35 @@ def _assert_group_sharded(ctx, model, when):
         )
 
 
+def backward_and_compare(ctx, model, oracle, outputs, opts, step):
+    """One step's loss, backward and comparison with the oracle: ``outputs`` is ``(out, oout, y,
+    mine)`` (this rank's output, the oracle's on the global batch, the targets, this rank's slice);
+    every parameter's gradient is the oracle's sharded (``.grad`` None where the oracle has none:
+    its module never ran), then both SGD steps give equal parameters."""
+    from torch.distributed.tensor import DTensor
+
+    out, oout, y, mine = outputs
+    loss = ((out - y[mine]) ** 2).mean()
+    oloss = ((oout - y) ** 2).mean(dim=1)
+    assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
+    loss.backward()
+    oloss.mean().backward()
+    for fqn, param in model.named_parameters():
+        ograd = oracle.get_parameter(fqn).grad
+        if ograd is None:
+            assert param.grad is None, (
+                f"{ctx.where()} step {step} {fqn}: has a gradient, but its module never ran"
+            )
+            continue
+        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
+            f"{ctx.where()} step {step} {fqn}: after backward expected a SHARDED parameter "
+            f"with a DTensor gradient, got {type(param).__name__} / "
+            f"{type(param.grad).__name__}"
+        )
+        assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
+    step_and_compare(ctx, model, oracle, opts, step)
+
+
 @check(
     area="states",
     requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
@@ -89,7 +118,6 @@ def group_partial_forward(ctx, head, run_b=False):
     root's output after the root's forward (a chunked-loss head). ``both-run``: the control, the
     root's forward runs ``a`` then ``b``, so the group's own post-forward (after ``b``) reshards
     it, with the same assertions."""
-    from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
     model = Trunk(run_b).to(ctx.device)
@@ -106,22 +134,4 @@ def group_partial_forward(ctx, head, run_b=False):
         oout = oracle(x)
         if head:
             out, oout = model.b(out), oracle.b(oout)
-        loss = ((out - y[mine]) ** 2).mean()
-        oloss = ((oout - y) ** 2).mean(dim=1)
-        assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
-        loss.backward()
-        oloss.mean().backward()
-        for fqn, param in model.named_parameters():
-            ograd = oracle.get_parameter(fqn).grad
-            if ograd is None:
-                assert param.grad is None, (
-                    f"{ctx.where()} step {step} {fqn}: has a gradient, but its module never ran"
-                )
-                continue
-            assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
-                f"{ctx.where()} step {step} {fqn}: after backward expected a SHARDED parameter "
-                f"with a DTensor gradient, got {type(param).__name__} / "
-                f"{type(param.grad).__name__}"
-            )
-            assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
-        step_and_compare(ctx, model, oracle, (opt, oopt), step)
+        backward_and_compare(ctx, model, oracle, (out, oout, y, mine), (opt, oopt), step)

@@ -25,13 +25,14 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.oracle import (
-    FP32,
     B,
     assert_close,
-    assert_sharded_grad,
-    step_and_compare,
 )
-from conformance.checks.fully_shard.grouped import _assert_group_sharded, _batch
+from conformance.checks.fully_shard.grouped import (
+    _assert_group_sharded,
+    _batch,
+    backward_and_compare,
+)
 from conformance.registry import check
 
 
@@ -60,7 +61,6 @@ def group_partial_forward_later_unit(ctx):
     the root; the forward runs ``a`` and ``tail``, never ``b``: right after the root's forward the
     group is SHARDED, in both of 2 iterations; losses, sharded gradients (``b``'s None) and the
     values after each SGD step equal the unsharded model's."""
-    from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
     model = TrunkTail().to(ctx.device)
@@ -76,22 +76,7 @@ def group_partial_forward_later_unit(ctx):
         out = model(x[mine])
         _assert_group_sharded(ctx, model, f"after the root's forward of step {step}")
         oout = oracle(x)
-        loss = ((out - y[mine]) ** 2).mean()
-        oloss = ((oout - y) ** 2).mean(dim=1)
-        assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
-        loss.backward()
-        oloss.mean().backward()
-        for fqn, param in model.named_parameters():
-            ograd = oracle.get_parameter(fqn).grad
-            if ograd is None:
-                assert param.grad is None, f"{ctx.where()} step {step} {fqn}: has a gradient"
-                continue
-            assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
-                f"{ctx.where()} step {step} {fqn}: expected a SHARDED parameter with a DTensor "
-                f"gradient after backward, got {type(param).__name__}"
-            )
-            assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
-        step_and_compare(ctx, model, oracle, (opt, oopt), step)
+        backward_and_compare(ctx, model, oracle, (out, oout, y, mine), (opt, oopt), step)
 
 
 @check(
