@@ -114,18 +114,27 @@ class FlatGradHandling:
         """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
         gradient (zeros stand in for a missing local gradient, e.g. every ``.grad`` of this rank
         cleared by the user, so every rank joins the gather; None when no rank has one)."""
-        if all(p.grad is None for p in self._orig_params):  # cleared by the user: none here
-            self.flat_param.grad = None
-        grad = self.flat_param.grad
-        if not _any_rank_has(grad, self):  # no gradient anywhere yet: every .grad stays None
+        padded = self.gather_unsharded_grad()
+        if padded is None:  # no gradient anywhere yet: every .grad stays None
             for p in self._orig_params:
                 p.grad = None
             return
-        local = grad if grad is not None else torch.zeros_like(self.flat_param)
-        padded = self._gather(local.detach(), local.dtype)
-        self._summoned_grad = padded if grad is not None else None  # for writeback_grad
+        self._summoned_grad = padded if self.flat_param.grad is not None else None  # writeback
         for p, g in zip(self._orig_params, self.unflatten(padded)):
             p.grad = g
+
+    @torch.no_grad()
+    def gather_unsharded_grad(self) -> torch.Tensor | None:
+        """The collectives of ``use_unsharded_grad_views``, which every rank joins (also one that
+        shows nothing, under ``rank0_only``): the gathered padded flat gradient, or None when no
+        rank has one."""
+        if all(p.grad is None for p in self._orig_params):  # cleared by the user: none here
+            self.flat_param.grad = None
+        grad = self.flat_param.grad
+        if not _any_rank_has(grad, self):
+            return None
+        local = grad if grad is not None else torch.zeros_like(self.flat_param)
+        return self._gather(local.detach(), local.dtype)
 
     @torch.no_grad()
     def prepare_orig_grads_for_forward(self) -> None:

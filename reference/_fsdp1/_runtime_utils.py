@@ -221,6 +221,8 @@ def _unshard_fsdp_state_params(
         )
     padded = handle.unshard_full_precision()
     if rank0_only and handle.rank != 0:
+        if with_grads:  # rank 0's gradient gather needs this rank too; the result is dropped
+            handle.gather_unsharded_grad()
         state.training_state = TrainingState.SUMMON_FULL_PARAMS
         try:
             yield

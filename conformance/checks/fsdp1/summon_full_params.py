@@ -224,7 +224,8 @@ def summon_with_grads(ctx, orig):
     (NotImplementedError "with_grads=True, use_orig_params=..., offload_to_cpu=..."); with
     ``use_orig_params=True`` every parameter's ``.grad`` inside is the full gradient (the
     unsharded model's on the same global batch), and after exit the sharded gradients are
-    unchanged. R58: after ``model.zero_grad(set_to_none=True)`` every ``.grad`` inside
+    unchanged; with ``rank0_only=True`` too, rank 0 seeing the full gradients and every other rank
+    the sharded ones it had. R58: after ``model.zero_grad(set_to_none=True)`` every ``.grad`` inside
     ``summon_full_params(with_grads=True)`` is None."""
     model, oracle, FSDP = build(ctx, orig)
     x = torch.randn(2 * ctx.world_size, 5, generator=torch.Generator().manual_seed(3))
@@ -264,6 +265,15 @@ def summon_with_grads(ctx, orig):
         )
         if old is not None:
             assert_close(ctx, f"after summon(with_grads): {name}.grad", p.grad, old, FP32["grad"])
+    # rank0_only: rank 0 sees the full gradients, every other rank what it had before
+    with FSDP.summon_full_params(model, with_grads=True, rank0_only=True, writeback=False):
+        got = visible(ctx, model)
+        for name, ref in oracle.named_parameters():
+            grad, what = got[name].grad, f"inside summon(with_grads, rank0_only): {name}.grad"
+            want = ref.grad if ctx.rank == 0 else before[name]
+            assert (grad is None) == (want is None), f"{ctx.where()} {what} is {grad}"
+            if want is not None:
+                assert_close(ctx, what, grad, want, FP32["grad"])
     model.zero_grad(set_to_none=True)
     with FSDP.summon_full_params(model, with_grads=True):
         stale = {n: p.grad for n, p in visible(ctx, model).items() if p.grad is not None}
