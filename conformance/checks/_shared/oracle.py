@@ -281,3 +281,33 @@ def step_and_compare(ctx, model, oracle, optimizers, step: int) -> None:
             oracle.get_parameter(fqn),
             FP32["param"],
         )
+
+
+def backward_and_compare(ctx, model, oracle, outputs, optimizers, step: int) -> None:
+    """One fully_shard training step against the oracle: ``outputs`` is ``(out, oout, y, mine)``
+    (this rank's output, the oracle's on the global batch, the targets, this rank's slice of the
+    batch); the losses (mean squared error) agree, every sharded parameter's gradient is a DTensor
+    holding this rank's chunk of the oracle's (``.grad`` None where the oracle has none: its
+    module never ran), then :func:`step_and_compare`."""
+    from torch.distributed.tensor import DTensor
+
+    out, oout, y, mine = outputs
+    loss = ((out - y[mine]) ** 2).mean()
+    oloss = ((oout - y) ** 2).mean(dim=1)
+    assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
+    loss.backward()
+    oloss.mean().backward()
+    for fqn, param in model.named_parameters():
+        ograd = oracle.get_parameter(fqn).grad
+        if ograd is None:
+            assert param.grad is None, (
+                f"{ctx.where()} step {step} {fqn}: has a gradient, but its module never ran"
+            )
+            continue
+        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
+            f"{ctx.where()} step {step} {fqn}: after backward expected a SHARDED parameter "
+            f"with a DTensor gradient, got {type(param).__name__} / "
+            f"{type(param.grad).__name__}"
+        )
+        assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
+    step_and_compare(ctx, model, oracle, optimizers, step)

@@ -25,13 +25,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import (
-    FP32,
-    B,
-    assert_close,
-    assert_sharded_grad,
-    step_and_compare,
-)
+from conformance.checks._shared.oracle import B, backward_and_compare
 from conformance.registry import check
 
 GROUP = ("a.weight", "a.bias", "b.weight", "b.bias")
@@ -70,35 +64,6 @@ def _assert_group_sharded(ctx, model, when):
             f"{ctx.where()} {fqn} {when}: registered a plain tensor (UNSHARDED); the group "
             f"fully_shard([a, b]) should be SHARDED once the root's forward has finished it"
         )
-
-
-def backward_and_compare(ctx, model, oracle, outputs, opts, step):
-    """One step's loss, backward and comparison with the oracle: ``outputs`` is ``(out, oout, y,
-    mine)`` (this rank's output, the oracle's on the global batch, the targets, this rank's slice);
-    every parameter's gradient is the oracle's sharded (``.grad`` None where the oracle has none:
-    its module never ran), then both SGD steps give equal parameters."""
-    from torch.distributed.tensor import DTensor
-
-    out, oout, y, mine = outputs
-    loss = ((out - y[mine]) ** 2).mean()
-    oloss = ((oout - y) ** 2).mean(dim=1)
-    assert_close(ctx, f"step {step} loss", loss, oloss[mine].mean(), FP32["loss"])
-    loss.backward()
-    oloss.mean().backward()
-    for fqn, param in model.named_parameters():
-        ograd = oracle.get_parameter(fqn).grad
-        if ograd is None:
-            assert param.grad is None, (
-                f"{ctx.where()} step {step} {fqn}: has a gradient, but its module never ran"
-            )
-            continue
-        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), (
-            f"{ctx.where()} step {step} {fqn}: after backward expected a SHARDED parameter "
-            f"with a DTensor gradient, got {type(param).__name__} / "
-            f"{type(param.grad).__name__}"
-        )
-        assert_sharded_grad(ctx, f"step {step} {fqn} sharded grad", param, ograd)
-    step_and_compare(ctx, model, oracle, opts, step)
 
 
 @check(

@@ -24,15 +24,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import (
-    B,
-    assert_close,
-)
-from conformance.checks.fully_shard.grouped import (
-    _assert_group_sharded,
-    _batch,
-    backward_and_compare,
-)
+from conformance.checks._shared.oracle import B, assert_close, backward_and_compare
+from conformance.checks.fully_shard.grouped import _assert_group_sharded, _batch
 from conformance.registry import check
 
 
