@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks.fsdp1.summon_full_params import build, expect_refusal
 from conformance.registry import check
@@ -108,18 +109,13 @@ def state_dict_type_single_module(ctx):
     nested, _, _ = build(ctx, False)
     (inner,) = [u for u in _units(nested, FSDP) if u is not nested]
     FSDP.set_state_dict_type(inner, ns.StateDictType.SHARDED_STATE_DICT)
-    try:
-        mixed = FSDP.get_state_dict_type(nested)
-    except AssertionError as exc:
-        assert "same state dict settings" in str(exc), (
-            f"{ctx.where()} get_state_dict_type(units with different settings): "
-            f"AssertionError {str(exc)!r} does not say 'same state dict settings'"
-        )
-    else:
-        raise AssertionError(
-            f"{ctx.where()} get_state_dict_type(units with different settings) = {mixed!r}, "
-            "expected AssertionError 'All FSDP modules must have the same state dict settings'"
-        )
+    expect_error(
+        ctx,
+        "get_state_dict_type(units with different settings)",
+        AssertionError,
+        "same state dict settings",
+        lambda: FSDP.get_state_dict_type(nested),
+    )
 
 
 @check(area="state_dict", requires=REQUIRES, world_sizes=(1, 2))
