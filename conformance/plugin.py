@@ -303,8 +303,12 @@ def _module_name(config, path: Path) -> str:
 _SESSION_KEY = pytest.StashKey[ConformanceSession]()
 
 
-def _session(config) -> ConformanceSession:
+def session_of(config) -> ConformanceSession:
+    """The run's session, for plugins that drive its worker groups (``conformance.mutation.live``)."""
     return config.stash[_SESSION_KEY]
+
+
+_session = session_of
 
 
 # [Note: exit codes] of ``python -m conformance`` (see docs/running.md, "Exit codes and signals")

@@ -25,6 +25,16 @@ persistent process groups, each mutant as an implementation of its own, ``mutant
 * The batch plugin (this module, ``-p conformance.mutation.live``) keeps each mutant's cases
   together, fastest first, and skips a mutant's remaining cases once one failed (``-x`` per
   mutant).
+
+[Note: one group per mutant]
+Undoing the swap after a check does not undo what the mutant's code left behind outside itself:
+a rank's process-group state, a module-level cache, a collective one rank never finished. On a
+shared group the next mutant's case could then fail for its neighbour's sake (two such "kills"
+were seen on 2026-12-05: a gloo connection refused inside ``new_group``, and a path that only a
+neighbour's leftover state took). So the plugin closes the worker group whenever the next case
+belongs to another mutant: each mutant's cases run on ranks newly forked from the forkserver,
+which never ran a mutant, as in a run of its own. A group starts in 0.03-0.1 s at world sizes
+1-4 here (the forkserver has torch imported), so this costs well under a second per mutant.
 """
 
 from __future__ import annotations
@@ -194,12 +204,28 @@ def _mutant_of(nodeid: str) -> str | None:
     return _mutant_of.ids.get(f"m{m.group(1)}")
 
 
+_current: list[str | None] = [None]  # the mutant whose cases the worker group last ran
+
+
 def pytest_runtest_setup(item):
     mutant = _mutant_of(item.nodeid)
-    if mutant is not None and mutant in _killed:
+    if mutant is None:
+        return
+    if mutant in _killed:
         import pytest
 
         pytest.skip(f"mutant {mutant} is already killed")
+    if _current[0] not in (None, mutant):
+        fresh_group(item.config)
+    _current[0] = mutant
+
+
+def fresh_group(config) -> None:
+    """Close the worker group, so that the next mutant's cases run on ranks newly forked from
+    the forkserver (see [Note: one group per mutant])."""
+    from conformance import plugin
+
+    plugin.session_of(config).close_group()
 
 
 def pytest_runtest_logreport(report):

@@ -274,6 +274,36 @@ def test_tiny_campaign_end_to_end(tmp_path):
     assert data2["carried"] == len(carried) and data2["score"] == data["score"], data2
 
 
+def test_each_mutant_of_a_shared_run_gets_a_fresh_worker_group(tmp_path, monkeypatch):
+    """[Note: one group per mutant]: the batch plugin closes the group whenever the next case
+    belongs to another mutant (and never between one mutant's own cases)."""
+    from types import SimpleNamespace
+
+    from conformance import plugin
+    from conformance.mutation import live
+
+    batch = tmp_path / "batch.json"
+    ids = {"m0": {"id": "a.py:1"}, "m1": {"id": "a.py:2"}, "m2": {"id": "b.py:7"}}
+    batch.write_text(json.dumps({"adapters": ids, "order": []}))
+    monkeypatch.setenv(live.BATCH_ENV, str(batch))
+    closed = []
+    fake_session = SimpleNamespace(close_group=lambda: closed.append(live._current[0]))
+    monkeypatch.setattr(plugin, "session_of", lambda config: fake_session)
+    monkeypatch.setattr(live, "_current", [None])
+    monkeypatch.setattr(live, "_killed", {"a.py:2"})
+    if hasattr(live._mutant_of, "ids"):
+        monkeypatch.delattr(live._mutant_of, "ids")
+    nodes = ["x[mutant-0-ws1]", "y[mutant-0-ws1]", "x[mutant-1-ws1]", "x[mutant-2-ws1]"]
+    nodes += ["z[mutant-2-ws1]", "x[mutant-0-ws2]", "x[reference-ws2]"]
+    for nodeid in nodes:
+        try:
+            live.pytest_runtest_setup(SimpleNamespace(nodeid=nodeid, config=None))
+        except pytest.skip.Exception:
+            assert "mutant-1" in nodeid  # the killed mutant's case: skipped, no group work
+    # closed when mutant 2 follows mutant 0 (mutant 1 was skipped) and when mutant 0 follows 2
+    assert closed == ["a.py:1", "b.py:7"]
+
+
 def test_kill_order_takes_one_case_per_check_first():
     from conformance.mutation.run import _kill_order
 
