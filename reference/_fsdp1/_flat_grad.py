@@ -127,7 +127,9 @@ class FlatGradHandling:
     def gather_unsharded_grad(self) -> torch.Tensor | None:
         """The collectives of ``use_unsharded_grad_views``, which every rank joins (also one that
         shows nothing, under ``rank0_only``): the gathered padded flat gradient, or None when no
-        rank has one."""
+        rank has one. With ``use_orig_params`` the original ``.grad`` s are written into the flat
+        gradient first, as before a forward: a gradient the user assigned is shown in full."""
+        self.prepare_orig_grads_for_forward()
         if all(p.grad is None for p in self._orig_params):  # cleared by the user: none here
             self.flat_param.grad = None
         grad = self.flat_param.grad

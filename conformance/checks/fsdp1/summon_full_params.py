@@ -226,7 +226,8 @@ def summon_with_grads(ctx, orig):
     unsharded model's on the same global batch), and after exit the sharded gradients are
     unchanged; with ``rank0_only=True`` too, rank 0 seeing the full gradients and every other rank
     the sharded ones it had. R58: after ``model.zero_grad(set_to_none=True)`` every ``.grad`` inside
-    ``summon_full_params(with_grads=True)`` is None."""
+    ``summon_full_params(with_grads=True)`` is None, and after every rank assigns each parameter's
+    (sharded) ``.grad`` a tensor of 3s, every full ``.grad`` inside is 3s."""
     model, oracle, FSDP = build(ctx, orig)
     x = torch.randn(2 * ctx.world_size, 5, generator=torch.Generator().manual_seed(3))
     x = x.to(ctx.device)
@@ -281,6 +282,15 @@ def summon_with_grads(ctx, orig):
         f"{ctx.where()} after zero_grad(set_to_none=True), summon(with_grads) shows gradients for "
         f"{sorted(stale)}; expected every .grad None (R58)"
     )
+    # R4: a gradient the user assigns (to each rank's sharded view) counts as the gradient
+    for p in visible(ctx, model).values():
+        p.grad = torch.full_like(p, 3.0)
+    with FSDP.summon_full_params(model, with_grads=True):
+        got = visible(ctx, model)
+        for name, ref in oracle.named_parameters():
+            grad, what = got[name].grad, "inside summon(with_grads) after assigning .grad = 3"
+            assert grad is not None, f"{ctx.where()} {what}: {name}.grad is None"
+            assert_close(ctx, f"{what}: {name}.grad", grad, torch.full_like(ref, 3.0), FP32["grad"])
 
 
 @check(area="fsdp1_runtime", requires=REQUIRES, cases=ORIG)
