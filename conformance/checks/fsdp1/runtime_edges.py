@@ -137,6 +137,32 @@ def meta_reset_parameters(ctx):
         )
 
 
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1, 2))
+def partly_meta_module(ctx):
+    """R52: ``_MetaBody`` with ``inner`` built eagerly on the CPU and ``head`` on the meta device,
+    wrapped as one unit with ``device_id`` the compute device (parameters on the CPU and on the
+    meta device are one device plus deferred storage, not a multi-device module): the
+    constructor accepts it, nothing stays on the meta device, and the parameters, the forward and
+    one SGD step on the same batch on every rank equal the model built eagerly."""
+    oracle = _MetaBody().to(ctx.device)
+    mixed = _MetaBody()
+    with torch.device("meta"):
+        mixed.head = _ResetLinear(6, 3)
+    model = ctx.impl.shard(mixed, ctx, plan=[("", {"device_id": ctx.device})])
+    metas = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not metas, f"{ctx.where()} parameters still on the meta device: {metas}"
+    x = torch.randn(B, 4, generator=torch.Generator().manual_seed(6)).to(ctx.device)
+    assert_close(ctx, "forward of the partly meta module", model(x), oracle(x), FP32["loss"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.5)
+    for m, o in ((model, opt), (oracle, oopt)):
+        m(x).square().sum().backward()  # the same batch on every rank: the average is its grad
+        o.step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"{name} after one step", got[name], ref, FP32["param"])
+
+
 class _FrozenMiddle(nn.Module):
     """pre Linear(4, 4) -> inner Linear(4, 6) (frozen, its own unit) -> tanh -> head Linear(6, 3)."""
 
