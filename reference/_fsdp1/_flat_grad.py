@@ -142,7 +142,8 @@ class FlatGradHandling:
         onto. Every one None (``zero_grad``): the flat gradient is dropped. Otherwise a None one
         zeroes its part of the flat gradient and one the user assigned (a tensor that is not a
         view into the flat gradient) is copied into its part (a zero flat gradient is made when
-        there is none)."""
+        there is none). An assigned gradient with another number of elements than its part
+        cannot be copied: RuntimeError "Cannot writeback when the gradient shape changes"."""
         if not self._use_orig_params:
             return
         if all(p.grad is None for p in self._orig_params):
@@ -158,7 +159,14 @@ class FlatGradHandling:
             if not any(assigned):
                 return
             grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
-        for p, part, new in zip(self._orig_params, self._grad_parts(grad), assigned):
+        parts = self._grad_parts(grad)
+        for fqn, p, part, new in zip(self.flat_param._fqns, self._orig_params, parts, assigned):
+            if new and part is not None and p.grad.numel() != part.numel():
+                raise RuntimeError(
+                    f"Cannot writeback when the gradient shape changes: {fqn} expects "
+                    f"{part.numel()} elements but got {tuple(p.grad.shape)}"
+                )
+        for p, part, new in zip(self._orig_params, parts, assigned):
             if part is None:
                 continue
             if p.grad is None:

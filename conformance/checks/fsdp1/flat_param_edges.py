@@ -8,7 +8,8 @@ behaviour seen through the sharding:
 * a ``.grad`` the user set to None counts as zero: the next backward gives that parameter only the
   new gradient, the others the sum (plain autograd accumulation);
 * a ``.data`` replaced by a tensor of another shape cannot be written back: the next forward
-  raises RuntimeError "Cannot writeback when the parameter shape changes";
+  raises RuntimeError "Cannot writeback when the parameter shape changes" (a gradient whose
+  ``.data`` was so replaced: "... the gradient shape changes");
 * a strategy that keeps the parameters gathered after forward (SHARD_GRAD_OP) still trains like
   the unsharded model, and refuses a ``.data`` replaced between forward and backward
   (AssertionError "... does not support changing the parameters between forward and backward");
@@ -152,28 +153,38 @@ def orig_params_no_sync(ctx):
 
 
 # ------------------------------------------------------------------------------ R46
-@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
-def orig_params_shape_change_refused(ctx):
-    """R46: replacing an original parameter's ``.data`` by a tensor of another shape (here one
-    element more than it holds on this rank) cannot be written back into the flat parameter:
-    the next forward raises RuntimeError "Cannot writeback when the parameter shape changes"."""
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES,
+    cases={"data": {"what": "parameter"}, "grad": {"what": "gradient"}},
+    world_sizes=(1, 2),
+)
+def orig_params_shape_change_refused(ctx, what):
+    """R46: replacing an original parameter's ``.data`` (or, after a backward, its gradient's
+    ``.grad.data``) by a tensor of another shape (here one element more than it holds on this
+    rank) cannot be written back into the flat parameter (or its gradient): the next forward
+    raises RuntimeError "Cannot writeback when the parameter shape changes" (or "... the gradient
+    shape changes")."""
     model, oracle = _build(ctx)
     _step(ctx, model, oracle, 0)
     p = _named(ctx, model)["inner.weight"]
+    target = p if what == "parameter" else p.grad
+    assert target is not None and target.numel() > 0, f"{ctx.where()} test setup: {what} empty"
     with torch.no_grad():
-        p.data = torch.zeros(p.numel() + 1, device=p.device, dtype=p.dtype)
+        target.data = torch.zeros(target.numel() + 1, device=p.device, dtype=p.dtype)
     _, mine = _batch(ctx, 1)
+    want = f"Cannot writeback when the {what} shape changes"
     try:
         model(mine)
     except RuntimeError as exc:
-        assert "Cannot writeback when the parameter shape changes" in str(exc), (
-            f"{ctx.where()} forward after a shape-changing .data: RuntimeError {exc!r} does not "
-            "say 'Cannot writeback when the parameter shape changes'"
+        assert want in str(exc), (
+            f"{ctx.where()} forward after a shape-changing {what}: RuntimeError {exc!r} does not "
+            f"say {want!r}"
         )
         return
     raise AssertionError(
-        f"{ctx.where()} forward after inner.weight.data got {p.numel()} elements: accepted, "
-        "expected RuntimeError 'Cannot writeback when the parameter shape changes'"
+        f"{ctx.where()} forward after the inner.weight {what} got {target.numel()} elements: "
+        f"accepted, expected RuntimeError {want!r}"
     )
 
 
