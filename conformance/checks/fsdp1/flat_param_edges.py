@@ -1,5 +1,5 @@
 """Area "fsdp1_runtime": what ``use_orig_params=True`` promises about the original parameters'
-values and gradients around the flat parameter (R45-R49).
+values and gradients around the flat parameter (R45-R49, R59).
 
 [Note: the original parameters are the user's]
 With ``use_orig_params=True`` the user sees, and may change, the original Parameter objects; FSDP1
@@ -16,7 +16,9 @@ behaviour seen through the sharding:
 * ``summon_full_params(with_grads=True)`` shows each parameter's full gradient, None where none
   was computed yet, also under NO_SHARD and for a parameter registered under two names;
 * ``model.to(dtype)`` after wrapping converts the flat parameter and so every original
-  parameter: training then runs in that dtype like the unsharded model converted alike.
+  parameter: training then runs in that dtype like the unsharded model converted alike;
+* optimizers applied in backward to the original parameters step them during each backward as
+  the unsharded model's optimizer steps it after each backward.
 The model is ``TwoUnits`` (``inner`` its own unit, the root owning ``head``). Each rank feeds its
 own two samples of one global batch; its loss is the sum over its samples divided by the global
 batch size times the world size, so the averaged gradient is the oracle's on the global batch.
@@ -468,3 +470,25 @@ def non_contiguous_param(ctx, orig):
             got = visible(ctx, model)
             for name, ref in oracle.named_parameters():
                 assert_close(ctx, f"after step {step}: {name}", got[name], ref, FP32["param"])
+
+
+# ------------------------------------------------------------------------------ R59
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def orig_params_optimizer_in_backward(ctx):
+    """R59: ``torch.distributed.optim._apply_optimizer_in_backward(SGD, lr 0.1, momentum 0.9)``
+    on the wrapped model's original parameters (``use_orig_params=True``): over 3 iterations of
+    forward and backward only (no optimizer step by the user), the parameters after each backward
+    equal the unsharded model's after its backward and an SGD step with the same settings."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model, oracle = _build(ctx)
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), kwargs)
+    oopt = torch.optim.SGD(oracle.parameters(), **kwargs)
+    for step in range(3):
+        _step(ctx, model, oracle, step)
+        oopt.step()
+        oopt.zero_grad(set_to_none=True)
+        got = full_params(ctx, model)
+        for name, ref in oracle.named_parameters():
+            assert_close(ctx, f"iteration {step} {name}", got[name], ref, FP32["param"])
