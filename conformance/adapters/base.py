@@ -81,6 +81,7 @@ FSDP1_FULL_PREC_IN_EVAL = "fsdp1-full-prec-in-eval"  # env FSDP_USE_FULL_PREC_IN
 FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlacementResult
 FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a fully_shard model
 FSDP1_CPU_OFFLOAD = "fsdp1-cpu-offload"  # FSDP1 CPUOffload(offload_params=True) at construction
+FSDP1_FAKE_COLLECTIVES = "fsdp1-fake-collectives"  # env FSDP_USE_FAKE_ALL_GATHER / _REDUCE
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -180,6 +181,10 @@ PROMISES = {
     "shards that parameter over that mesh, in a parameter group of its own per process group",
     FSDP2_FUNCTORCH: "a `fully_shard` model runs under `torch.func` transforms (`torch.func.jvp`): "
     "its hooks gather and free the parameters as in a plain forward, and tangents flow through",
+    FSDP1_FAKE_COLLECTIVES: "with `FSDP_USE_FAKE_ALL_GATHER=1` or `FSDP_USE_FAKE_REDUCE=1` (either "
+    "alone) in the environment at construction, a sharded FSDP1 unit skips its all-gathers or "
+    "its gradient reduce-scatters (a profiling aid: the values are then undefined) yet runs "
+    "forward and backward to completion with the usual shapes",
     FSDP1_CPU_OFFLOAD: "`ns.FullyShardedDataParallel(module, cpu_offload=ns.CPUOffload("
     "offload_params=True))` builds units whose flat parameters (each rank's shard of the "
     "flattened original parameters) live on the CPU, whatever the compute device",

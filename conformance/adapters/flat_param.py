@@ -52,6 +52,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_MODULE_TO,
             base.FSDP1_FULL_PREC_IN_EVAL,
             base.FSDP1_CPU_OFFLOAD,
+            base.FSDP1_FAKE_COLLECTIVES,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

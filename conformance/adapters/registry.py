@@ -74,6 +74,7 @@ def _reference_fsdp1():
         base.FSDP1_MODULE_TO,
         base.FSDP1_FULL_PREC_IN_EVAL,
         base.FSDP1_CPU_OFFLOAD,
+        base.FSDP1_FAKE_COLLECTIVES,  # profiling knobs that skip collectives
     }
     return impl
 

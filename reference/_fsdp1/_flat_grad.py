@@ -14,6 +14,10 @@ Rules:
                   is empty), or, inside ``summon_full_params(with_grads=True)``, the full-shape
                   view into the gathered gradient. Clearing every original ``.grad``
                   (``zero_grad``) drops the flat gradient too.
+  optimizer in    with ``use_orig_params=True``, an original parameter carrying optimizers from
+  backward        ``torch.distributed.optim._apply_optimizer_in_backward`` (its
+                  ``_in_backward_optimizers``) has them stepped on its sharded gradient as soon as
+                  the unit's gradient is reduced, and that gradient is then cleared (None).
 
 The mixin reads the handle's attributes (``flat_param``, ``process_group``, ``world_size``,
 ``uses_sharded_strategy``, the dtypes, ``_orig_params``) and its ``_gather`` / ``unflatten``; it
@@ -109,6 +113,21 @@ class FlatGradHandling:
                     p, grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
                 )
 
+    def _step_optimizers_in_backward(self) -> None:
+        """See "optimizer in backward" above: runs after :meth:`_use_sharded_grad_views`; a
+        parameter without elements on this rank (no ``.grad``) is not stepped here."""
+        stepped = False
+        for p in self._orig_params:
+            optimizers = getattr(p, "_in_backward_optimizers", ())
+            if p.grad is None or not optimizers:
+                continue
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            stepped = True
+        if stepped and all(p.grad is None for p in self._orig_params):
+            self.flat_param.grad = None
+
     @torch.no_grad()
     def use_unsharded_grad_views(self) -> None:
         """Each original parameter's ``.grad`` becomes its full-shape view into the gathered flat
@@ -144,7 +163,8 @@ class FlatGradHandling:
         onto. Every one None (``zero_grad``): the flat gradient is dropped. Otherwise a None one
         zeroes its part of the flat gradient and one the user assigned (a tensor that is not a
         view into the flat gradient) is copied into its part (a zero flat gradient is made when
-        there is none)."""
+        there is none). An assigned gradient with another number of elements than its part
+        cannot be copied: RuntimeError "Cannot writeback when the gradient shape changes"."""
         if not self._use_orig_params:
             return
         if all(p.grad is None for p in self._orig_params):
@@ -160,7 +180,14 @@ class FlatGradHandling:
             if not any(assigned):
                 return
             grad = self.flat_param.grad = torch.zeros_like(self.flat_param)
-        for p, part, new in zip(self._orig_params, self._grad_parts(grad), assigned):
+        parts = self._grad_parts(grad)
+        for fqn, p, part, new in zip(self.flat_param._fqns, self._orig_params, parts, assigned):
+            if new and part is not None and p.grad.numel() != part.numel():
+                raise RuntimeError(
+                    f"Cannot writeback when the gradient shape changes: {fqn} expects "
+                    f"{part.numel()} elements but got {tuple(p.grad.shape)}"
+                )
+        for p, part, new in zip(self._orig_params, parts, assigned):
             if part is None:
                 continue
             if p.grad is None:

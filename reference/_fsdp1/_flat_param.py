@@ -412,13 +412,15 @@ class FlatParamHandle(FlatGradHandling):
 
     def _post_backward(self) -> None:
         """The gradient reached the flat parameter: drop the gathered tensors, reshard, and (with
-        use_orig_params) point each original ``.grad`` at its part of the flat gradient."""
+        use_orig_params) point each original ``.grad`` at its part of the flat gradient and step
+        the optimizers applied in backward."""
         if self._gathered_for_backward:
             self._gathered_for_backward.clear()
             self.reshard()
         self._grad_to_optimizer_precision()
         if self._use_orig_params:
             self._use_sharded_grad_views()
+            self._step_optimizers_in_backward()
 
 
 def _fqn(info: ParamInfo) -> str:

@@ -27,11 +27,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
 from torch.distributed.utils import _apply_to_tensors, _to_kwargs
-from torch.utils._pytree import tree_leaves
 
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState, _cast_fp_tensor
 from ._fsdp_param_group import FSDPParamGroup
+from ._grad_tensors import collect_grad_tensors
 
 
 def _get_module_fsdp_state(module: nn.Module) -> FSDPState | None:
@@ -204,9 +204,7 @@ class FSDPState(_State):
     def _register_pre_backward_hook(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        for t in tree_leaves(output):
-            if not (isinstance(t, torch.Tensor) and t.requires_grad):
-                continue
+        for t in collect_grad_tensors(output):  # [Note: walking a forward output]
             if t._base is not None:
                 names = ", ".join(type(m).__name__ for m in self._modules)
                 warnings.warn(

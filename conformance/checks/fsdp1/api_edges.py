@@ -61,6 +61,50 @@ def fsdp_modules_root_only(ctx):
     )
 
 
+class _Cyclic(nn.Module):
+    """A container that belongs to a cycle of modules. Its ``children()`` counts the calls and
+    raises past ``LIMIT`` so that a traversal which keeps coming back to it fails at once
+    instead of looping forever (a walk that visits every module once asks a handful of times)."""
+
+    LIMIT = 50
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def children(self):
+        self.asked += 1
+        if self.asked > self.LIMIT:
+            raise RuntimeError(
+                f"children() of one module asked {self.asked} times: a traversal loops"
+            )
+        return super().children()
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def fsdp_modules_cyclic_graph(ctx):
+    """R35: a module graph with a cycle (``a`` holds the sharded model and ``b``, ``b`` holds
+    ``a``): ``FSDP.fsdp_modules(a)`` returns, listing each unit once in ``a.modules()`` order (which
+    visits every module once), and with ``root_only=True`` only the model's root unit."""
+    model, _, FSDP = build(ctx, False)
+    _forward(ctx, model)
+    a, b = _Cyclic(), _Cyclic()
+    a.add_module("model", model)
+    a.add_module("b", b)
+    b.add_module("a", a)
+    try:
+        units = _units(a, FSDP)
+        assert len(units) == 2 and units[0] is model, f"{ctx.where()} test setup: units {units}"
+        for root_only, want in ((False, units), (True, [model])):
+            got = FSDP.fsdp_modules(a, root_only=root_only)
+            assert [id(m) for m in got] == [id(m) for m in want], (
+                f"{ctx.where()} fsdp_modules(a, root_only={root_only}) on a cyclic graph: "
+                f"{[type(m).__name__ for m in got]}, expected {len(want)} unit(s), each once"
+            )
+    finally:
+        del b._modules["a"]  # break the cycle
+
+
 @check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
 def no_sync_inner_refused(ctx):
     """R36: ``no_sync()`` on a unit that is not the root raises RuntimeError naming

@@ -1,5 +1,5 @@
 """Area "fsdp1_runtime": what ``use_orig_params=True`` promises about the original parameters'
-values and gradients around the flat parameter (R45-R49).
+values and gradients around the flat parameter (R45-R49, R59).
 
 [Note: the original parameters are the user's]
 With ``use_orig_params=True`` the user sees, and may change, the original Parameter objects; FSDP1
@@ -8,14 +8,17 @@ behaviour seen through the sharding:
 * a ``.grad`` the user set to None counts as zero: the next backward gives that parameter only the
   new gradient, the others the sum (plain autograd accumulation);
 * a ``.data`` replaced by a tensor of another shape cannot be written back: the next forward
-  raises RuntimeError "Cannot writeback when the parameter shape changes";
+  raises RuntimeError "Cannot writeback when the parameter shape changes" (a gradient whose
+  ``.data`` was so replaced: "... the gradient shape changes");
 * a strategy that keeps the parameters gathered after forward (SHARD_GRAD_OP) still trains like
   the unsharded model, and refuses a ``.data`` replaced between forward and backward
   (AssertionError "... does not support changing the parameters between forward and backward");
 * ``summon_full_params(with_grads=True)`` shows each parameter's full gradient, None where none
   was computed yet, also under NO_SHARD and for a parameter registered under two names;
 * ``model.to(dtype)`` after wrapping converts the flat parameter and so every original
-  parameter: training then runs in that dtype like the unsharded model converted alike.
+  parameter: training then runs in that dtype like the unsharded model converted alike;
+* optimizers applied in backward to the original parameters step them during each backward as
+  the unsharded model's optimizer steps it after each backward.
 The model is ``TwoUnits`` (``inner`` its own unit, the root owning ``head``). Each rank feeds its
 own two samples of one global batch; its loss is the sum over its samples divided by the global
 batch size times the world size, so the averaged gradient is the oracle's on the global batch.
@@ -152,28 +155,38 @@ def orig_params_no_sync(ctx):
 
 
 # ------------------------------------------------------------------------------ R46
-@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
-def orig_params_shape_change_refused(ctx):
-    """R46: replacing an original parameter's ``.data`` by a tensor of another shape (here one
-    element more than it holds on this rank) cannot be written back into the flat parameter:
-    the next forward raises RuntimeError "Cannot writeback when the parameter shape changes"."""
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES,
+    cases={"data": {"what": "parameter"}, "grad": {"what": "gradient"}},
+    world_sizes=(1, 2),
+)
+def orig_params_shape_change_refused(ctx, what):
+    """R46: replacing an original parameter's ``.data`` (or, after a backward, its gradient's
+    ``.grad.data``) by a tensor of another shape (here one element more than it holds on this
+    rank) cannot be written back into the flat parameter (or its gradient): the next forward
+    raises RuntimeError "Cannot writeback when the parameter shape changes" (or "... the gradient
+    shape changes")."""
     model, oracle = _build(ctx)
     _step(ctx, model, oracle, 0)
     p = _named(ctx, model)["inner.weight"]
+    target = p if what == "parameter" else p.grad
+    assert target is not None and target.numel() > 0, f"{ctx.where()} test setup: {what} empty"
     with torch.no_grad():
-        p.data = torch.zeros(p.numel() + 1, device=p.device, dtype=p.dtype)
+        target.data = torch.zeros(target.numel() + 1, device=p.device, dtype=p.dtype)
     _, mine = _batch(ctx, 1)
+    want = f"Cannot writeback when the {what} shape changes"
     try:
         model(mine)
     except RuntimeError as exc:
-        assert "Cannot writeback when the parameter shape changes" in str(exc), (
-            f"{ctx.where()} forward after a shape-changing .data: RuntimeError {exc!r} does not "
-            "say 'Cannot writeback when the parameter shape changes'"
+        assert want in str(exc), (
+            f"{ctx.where()} forward after a shape-changing {what}: RuntimeError {exc!r} does not "
+            f"say {want!r}"
         )
         return
     raise AssertionError(
-        f"{ctx.where()} forward after inner.weight.data got {p.numel()} elements: accepted, "
-        "expected RuntimeError 'Cannot writeback when the parameter shape changes'"
+        f"{ctx.where()} forward after the inner.weight {what} got {target.numel()} elements: "
+        f"accepted, expected RuntimeError {want!r}"
     )
 
 
@@ -457,3 +470,25 @@ def non_contiguous_param(ctx, orig):
             got = visible(ctx, model)
             for name, ref in oracle.named_parameters():
                 assert_close(ctx, f"after step {step}: {name}", got[name], ref, FP32["param"])
+
+
+# ------------------------------------------------------------------------------ R59
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def orig_params_optimizer_in_backward(ctx):
+    """R59: ``torch.distributed.optim._apply_optimizer_in_backward(SGD, lr 0.1, momentum 0.9)``
+    on the wrapped model's original parameters (``use_orig_params=True``): over 3 iterations of
+    forward and backward only (no optimizer step by the user), the parameters after each backward
+    equal the unsharded model's after its backward and an SGD step with the same settings."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model, oracle = _build(ctx)
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), kwargs)
+    oopt = torch.optim.SGD(oracle.parameters(), **kwargs)
+    for step in range(3):
+        _step(ctx, model, oracle, step)
+        oopt.step()
+        oopt.zero_grad(set_to_none=True)
+        got = full_params(ctx, model)
+        for name, ref in oracle.named_parameters():
+            assert_close(ctx, f"iteration {step} {name}", got[name], ref, FP32["param"])

@@ -178,6 +178,54 @@ def flat_buffer_dtype_per_unit(ctx, first):
         )
 
 
+class Tail(nn.Module):
+    """A plain (never wrapped) module with a floating buffer ``shift`` (0.5s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.full((3,), 0.5))
+
+    def forward(self, x):
+        return x + self.shift.to(x.dtype)
+
+
+PAST_CHILD_CASES = {
+    "child-inherits": {"child": None},
+    "child-without-buffer-dtype": {"child": {"param_dtype": None}},
+}
+
+
+@check(
+    area="mixed_precision",
+    requires={base.MIXED_PRECISION, base.FLAT_PARAM, base.AUTO_WRAP, base.FSDP1_API},
+    cases=PAST_CHILD_CASES,
+)
+def flat_buffer_dtype_past_wrapped_child(ctx, child):
+    """R7: the root with ``MixedPrecision(buffer_dtype=bf16)`` over ``nn.Sequential(unit, tail)``,
+    where ``unit`` is wrapped first (inheriting the root's mixed precision, or with one without
+    ``buffer_dtype``) and ``tail`` is a plain module: the root's first forward casts ``tail``'s
+    floating buffer (which the root owns, and which its buffers list only after the unit's) to
+    bf16, and the unit's to its own unit's dtype (bf16, or fp32 without a ``buffer_dtype``)."""
+    ctx.seed(0)
+    mp = ctx.impl.ns.MixedPrecision
+    unit_kwargs = {} if child is None else {"mixed_precision": mp(**child)}
+    plan = [("0", unit_kwargs), ("", {"mixed_precision": mp(buffer_dtype=BF16)})]
+    model = ctx.impl.shard(nn.Sequential(Stage(), Tail()).to(ctx.device), ctx, plan=plan)
+    with torch.no_grad():
+        model(torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).to(ctx.device))
+    seen = {ctx.impl.clean_fqn(n): b for n, b in model.named_buffers()}
+    want = {"0.shift": BF16 if child is None else FP32, "1.shift": BF16}
+    for name, dtype in want.items():
+        buf = seen[name]
+        assert buf.dtype == dtype, (
+            f"{ctx.where()} {name} after the first forward is {buf.dtype}, expected {dtype} "
+            "(the buffer_dtype of the unit that owns it; 1.shift belongs to the root)"
+        )
+        assert torch.equal(buf.float().cpu(), torch.full((3,), 0.5)), (
+            f"{ctx.where()} {name} is {buf.tolist()}, expected 0.5s"
+        )
+
+
 def _one_low_precision_backward(ctx, reduce, orig: bool):
     """The mlp as one FSDP1 unit with ``MixedPrecision(param_dtype=bf16, reduce_dtype=reduce,
     keep_low_precision_grads=True)`` after one backward of this rank's share of batch 0, and the

@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": FSDP1 construction and root-forward edges (R52-R56).
+"""Area "fsdp1_runtime": FSDP1 construction and root-forward edges (R52-R56, R60).
 
 [Note: what the root's forward and the constructor promise at their edges]
 * A model built on the meta device and wrapped without ``param_init_fn`` is materialised by its
@@ -10,6 +10,8 @@
   layer (R53).
 * ``FSDP_USE_FULL_PREC_IN_EVAL=1`` makes a mixed-precision model compute in full precision in
   ``eval()`` mode, buffers included, and back in the low precision after ``train()`` (R54).
+* ``FSDP_USE_FAKE_ALL_GATHER=1`` or ``FSDP_USE_FAKE_REDUCE=1`` alone skips that collective
+  (values undefined) but a forward and backward still complete with the usual shapes (R60).
 * ``forward_prefetch=True``, keyword tensor arguments and an evaluation forward under
   ``torch.no_grad()`` between training steps change no value; a nested unit (FSDP1 or
   ``fully_shard``) called with tensors inside a namedtuple, a list of a tuple, an OrderedDict and a
@@ -137,6 +139,32 @@ def meta_reset_parameters(ctx):
         )
 
 
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1, 2))
+def partly_meta_module(ctx):
+    """R52: ``_MetaBody`` with ``inner`` built eagerly on the CPU and ``head`` on the meta device,
+    wrapped as one unit with ``device_id`` the compute device (parameters on the CPU and on the
+    meta device are one device plus deferred storage, not a multi-device module): the
+    constructor accepts it, nothing stays on the meta device, and the parameters, the forward and
+    one SGD step on the same batch on every rank equal the model built eagerly."""
+    oracle = _MetaBody().to(ctx.device)
+    mixed = _MetaBody()
+    with torch.device("meta"):
+        mixed.head = _ResetLinear(6, 3)
+    model = ctx.impl.shard(mixed, ctx, plan=[("", {"device_id": ctx.device})])
+    metas = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not metas, f"{ctx.where()} parameters still on the meta device: {metas}"
+    x = torch.randn(B, 4, generator=torch.Generator().manual_seed(6)).to(ctx.device)
+    assert_close(ctx, "forward of the partly meta module", model(x), oracle(x), FP32["loss"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.5)
+    for m, o in ((model, opt), (oracle, oopt)):
+        m(x).square().sum().backward()  # the same batch on every rank: the average is its grad
+        o.step()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"{name} after one step", got[name], ref, FP32["param"])
+
+
 class _FrozenMiddle(nn.Module):
     """pre Linear(4, 4) -> inner Linear(4, 6) (frozen, its own unit) -> tanh -> head Linear(6, 3)."""
 
@@ -259,6 +287,51 @@ def full_precision_in_eval(ctx):
         assert out.dtype == dtype, f"{ctx.where()} {where}: output {out.dtype}, expected {dtype}"
         if dtype == torch.float32:
             assert_close(ctx, where, out, oracle(x), FP32["loss"])
+
+
+FAKE_CASES = {
+    "all-gather": {"var": "FSDP_USE_FAKE_ALL_GATHER"},
+    "reduce": {"var": "FSDP_USE_FAKE_REDUCE"},
+}
+
+
+@check(
+    area="fsdp1_runtime",
+    requires={base.FLAT_PARAM, base.FSDP1_API, base.TRAINING, base.FSDP1_FAKE_COLLECTIVES},
+    cases=FAKE_CASES,
+    min_world_size=2,
+)
+def fake_collectives_knob(ctx, var):
+    """R60: with one of ``FSDP_USE_FAKE_ALL_GATHER=1`` / ``FSDP_USE_FAKE_REDUCE=1`` (the other
+    unset) in the environment while ``InnerHeadNet`` is wrapped (``inner`` its own unit, both
+    sharded), a forward and a backward complete: the output has the unsharded model's shape and
+    every flat parameter a gradient of its shard's shape (the values are undefined by design).
+    The environment is restored right after construction, where the units read it."""
+    names = [case["var"] for case in FAKE_CASES.values()]
+    saved = {name: os.environ.pop(name, None) for name in names}
+    os.environ[var] = "1"
+    try:
+        ctx.seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = ctx.impl.shard(
+                InnerHeadNet().to(ctx.device), ctx, plan=[("inner", {}), ("", {})]
+            )
+    finally:
+        for name, old in saved.items():
+            os.environ.pop(name, None)
+            if old is not None:
+                os.environ[name] = old
+    x = torch.randn(B, 4, generator=torch.Generator().manual_seed(8)).to(ctx.device)
+    out = model(x)
+    assert tuple(out.shape) == (B, 3), f"{ctx.where()} {var}=1: output shape {tuple(out.shape)}"
+    out.sum().backward()
+    for fqns, grad in ctx.impl.flat_grads(model):
+        shard = dict((tuple(f), t) for f, t in ctx.impl.flat_shards(model))[tuple(fqns)]
+        assert grad is not None and grad.shape == shard.shape, (
+            f"{ctx.where()} {var}=1: flat gradient of {fqns} is "
+            f"{None if grad is None else tuple(grad.shape)}, expected {tuple(shard.shape)}"
+        )
 
 
 class _KwNet(nn.Module):

@@ -1,4 +1,5 @@
-"""Area "training": what a ``fully_shard`` module may return from forward (P25).
+"""Area "training": what a ``fully_shard`` module may return from forward (P25), down to the
+max depth of containers FSDP walks (128).
 
 [Note: pytree outputs]
 FSDP2 hooks backward through a unit's outputs: it registers its pre-backward hook on every output
@@ -15,11 +16,13 @@ global batch, losses are means).
 from __future__ import annotations
 
 import copy
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import B, backward_and_compare
 from conformance.registry import check
 
@@ -88,3 +91,70 @@ def pytree_outputs_with_non_grad_leaves(ctx):
             f"(requires_grad={idx.requires_grad}); expected {oidx[mine].tolist()}, no grad"
         )
         backward_and_compare(ctx, model, oracle, (out, oout, y, mine), (opt, oopt), step)
+
+
+# P25: FSDP walks at most this many containers down a forward output (the output itself is at
+# depth 0); anything at this depth is refused as a likely cycle.
+MAX_DEPTH = 128
+
+
+class Box(NamedTuple):
+    inner: Any
+
+
+class Nested(nn.Module):
+    """Linear(5, 3) whose output is wrapped in ``depth`` containers (lists or ``Box``es)."""
+
+    def __init__(self, depth: int, box: bool):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.depth, self.box = depth, box
+
+    def forward(self, x):
+        out = self.lin(x)
+        for _ in range(self.depth):
+            out = Box(out) if self.box else [out]
+        return out
+
+
+def unwrap(out, depth: int):
+    for _ in range(depth):
+        out = out[0]
+    return out
+
+
+DEPTH_CASES = {
+    f"{kind}-{depth}": {"depth": depth, "box": kind == "namedtuple"}
+    for kind in ("list", "namedtuple")
+    for depth in (MAX_DEPTH - 1, MAX_DEPTH)
+}
+
+
+@check(
+    area="training",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    cases=DEPTH_CASES,
+)
+def deeply_nested_output(ctx, depth, box):
+    """P25: a unit whose forward (grad enabled) returns its output tensor inside ``depth`` nested
+    lists or namedtuples: at depth 127 it trains one SGD step like the unsharded model; at depth
+    128 (the max depth FSDP walks) the forward raises RuntimeError naming the max depth (128)."""
+    ctx.seed(0)
+    model = Nested(depth, box).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = _batch(ctx, 0)
+    if depth >= MAX_DEPTH:
+        expect_error(
+            ctx,
+            f"an output {depth} containers deep",
+            RuntimeError,
+            rf"(?i)max.*depth.*\({MAX_DEPTH}\)",
+            lambda: model(x[mine]),
+        )
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    out, oout = unwrap(model(x[mine]), depth), unwrap(oracle(x), depth)
+    backward_and_compare(ctx, model, oracle, (out, oout, y, mine), (opt, oopt), 0)

@@ -1,0 +1,55 @@
+"""Finding the tensors of a forward output that FSDP2 hooks for backward.
+
+[Note: walking a forward output]
+A unit's forward may return its tensors inside any nesting of tuples (named or not), lists,
+dicts and dataclass instances. With grad enabled, the unit registers its pre-backward hook on
+every tensor in there that requires grad; anything else (a set, a custom object, an int) is a
+leaf and is not looked into. The walk counts containers: the returned object itself is at depth
+0 and whatever sits inside ``k`` containers is at depth ``k``. Reaching depth
+:data:`MAX_OUTPUT_DEPTH` (anything, tensor or not, 128 containers deep) raises RuntimeError that
+names the limit: such a structure is taken for a cycle (a list that holds itself) rather than
+walked until Python's recursion limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+MAX_OUTPUT_DEPTH = 128
+
+
+def _children(obj: Any) -> list[Any] | None:
+    """The items a container holds, in order; None for a leaf."""
+    if isinstance(obj, torch.Tensor):
+        return None
+    if isinstance(obj, (list, tuple)):  # named tuples included
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return None
+
+
+def collect_grad_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in ``output`` that requires grad, in depth-first order (see the Note)."""
+    found: list[torch.Tensor] = []
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth >= MAX_OUTPUT_DEPTH:
+            raise RuntimeError(
+                f"a forward output is nested deeper than the max depth ({MAX_OUTPUT_DEPTH}) of "
+                "containers FSDP walks; is it a circular structure?"
+            )
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+            return
+        for child in _children(obj) or ():
+            visit(child, depth + 1)
+
+    visit(output, 0)
+    return found
