@@ -295,10 +295,14 @@ def fingerprint(mutant: Mutant, original: str, mutated: str) -> str:
 @dataclass(frozen=True)
 class Reach:
     """Where a mutant's effect starts: ``lines`` (run by a case => the case is selected), or the
-    whole file when ``import_time`` (module or class level: runs when the module is imported)."""
+    whole file when ``import_time`` (module or class level: runs when the module is imported).
+    ``decorator``: the change is in a function's decorator, which acts when the function is
+    defined (at import) as well as through its body: ``@abstractmethod`` on a method whose body
+    never runs still decides whether its class can be instantiated (see :func:`select_cases`)."""
 
     lines: frozenset[int]
     import_time: bool
+    decorator: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -312,12 +316,14 @@ def reach(source: str, line: int) -> Reach:
 
     * inside a function body: the innermost statement containing ``line`` (a compound
       statement's header only: ``if x:`` up to its body);
-    * a function's decorators or signature (defaults): the function's body lines;
+    * a function's decorators or signature (defaults): the function's body lines (a decorator
+      also flags ``decorator``);
     * anything else (module or class level): import time.
     """
     tree = _parse(source)
     best: tuple[int, int] | None = None
     func_body: tuple[int, int] | None = None
+    decorator = False
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             body_start = node.body[0].lineno
@@ -326,6 +332,7 @@ def reach(source: str, line: int) -> Reach:
                 span = (body_start, node.end_lineno)
                 if func_body is None or span[1] - span[0] < func_body[1] - func_body[0]:
                     func_body = span
+                    decorator = line < node.lineno  # above the ``def`` line
         if not isinstance(node, ast.stmt) or not (node.lineno <= line <= node.end_lineno):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -343,7 +350,7 @@ def reach(source: str, line: int) -> Reach:
     if best is not None and _in_function(tree, line):
         return Reach(frozenset(range(best[0], best[1] + 1)), False)
     if func_body is not None:
-        return Reach(frozenset(range(func_body[0], func_body[1] + 1)), False)
+        return Reach(frozenset(range(func_body[0], func_body[1] + 1)), False, decorator)
     return Reach(frozenset(), True)
 
 
@@ -367,7 +374,12 @@ def select_cases(coverage: dict[str, dict[str, list[int]]], file: str, where: Re
     The torch target follows the same rule with its file groups as parts: torch's modules are
     imported before any check runs, so no case's lines name them, and the cases that ran a line
     of the file miss those that only use a generated method (``MixedPrecisionPolicy(...)`` runs
-    the dataclass's ``__init__``, which has no line in the file)."""
+    the dataclass's ``__init__``, which has no line in the file). A change in a decorator of a
+    function whose body no case runs (an ``@abstractmethod``) selects as an import-time change
+    does: the decorator acted when the function was defined."""
+    if where.decorator:
+        ran_body = select_cases(coverage, file, Reach(where.lines, False))
+        return ran_body or select_cases(coverage, file, Reach(frozenset(), True))
     if where.import_time:
         part = part_of(file)
         return [

@@ -79,7 +79,7 @@ def place(mutants, src: Path, maps: list[dict], target: str) -> list[dict]:
         ):
             continue
         where = population.reach(text, m.line)
-        if where.import_time:
+        if where.import_time or where.decorator:
             reached = any(population.select_cases(c["lines"], m.file, where) for c in maps)
         else:
             reached = not where.lines.isdisjoint(ran[m.file])

@@ -105,6 +105,13 @@ def test_selection_takes_the_cases_that_ran_the_lines():
     # a module-level change: every case that ran anything of the file's part
     whole = population.reach(SOURCE, 3)
     assert population.select_cases(cov, x, whole) == ["a", "b", "d", "f"]
+    # a decorator: the cases that ran the body, else (an abstract method's body never runs)
+    # every case of the part, since it acted when the function was defined
+    decorated = population.reach(SOURCE, 6)
+    assert decorated.decorator and not population.reach(SOURCE, 7).decorator
+    assert population.select_cases(cov, x, decorated) == ["a", "b"]
+    unrun = {k: v for k, v in cov.items() if k not in ("a", "b")}
+    assert population.select_cases(unrun, x, decorated) == ["d", "f"]
 
 
 def test_a_torch_class_level_mutant_runs_every_case_of_its_group():

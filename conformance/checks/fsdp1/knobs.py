@@ -16,6 +16,7 @@ import copy
 import torch
 
 from conformance.adapters import base
+from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.registry import check
@@ -141,7 +142,9 @@ def comm_hook_sum(ctx):
     hook that sums over ranks without dividing (``hook(state, grad, output)`` reduce-scatters
     into ``output`` when the unit shards; ``hook(state, grad)`` all-reduces in place when it does
     not) is called once per unit with a flat parameter per backward, with ``state`` as given, and
-    one SGD step then moves every parameter by ``ws`` times the oracle's averaged gradient."""
+    one SGD step then moves every parameter by ``ws`` times the oracle's averaged gradient. A
+    second ``register_comm_hook`` on that root raises AssertionError "A communication hook is
+    already registered"."""
     import torch.distributed as dist
 
     model, oracle = _build(ctx, {})
@@ -176,3 +179,10 @@ def comm_hook_sum(ctx):
         assert_close(
             ctx, f"{name} after a step with the summing hook", got[name], ref, FP32["param"]
         )
+    expect_error(
+        ctx,
+        "register_comm_hook a second time",
+        AssertionError,
+        "A communication hook is already registered",
+        lambda: model.register_comm_hook(token, hook),
+    )

@@ -105,3 +105,41 @@ def compute_device_without_device_id(ctx, empty):
     )
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1)).to(ctx.device)
     assert_close(ctx, "forward without device_id", unit(x), oracle(x), FP32["loss"])
+
+
+class RankValued(nn.Module):
+    """Linear(3, 4) and a buffer ``scale`` (4,), each rank's values its own (seeded by rank)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(40 + rank)
+        self.lin = nn.Linear(3, 4)
+        with torch.no_grad():
+            for p in self.lin.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.register_buffer("scale", torch.randn(4, generator=g))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_RUNTIME}, world_sizes=(2,))
+def sync_module_states_default(ctx):
+    """R16: without ``sync_module_states`` (default False) a unit broadcasts nothing at
+    construction: with a module whose values differ per rank (NO_SHARD, so each rank holds all
+    of them), every rank's full parameters in ``summon_full_params`` and its buffer are that
+    rank's own."""
+    ns = ctx.impl.ns
+    module = RankValued(ctx.rank).to(ctx.device)
+    own = {n: t.detach().clone() for n, t in module.state_dict().items()}
+    plan = [("", {"sharding_strategy": ns.ShardingStrategy.NO_SHARD})]
+    unit = ctx.impl.shard(module, ctx, plan=plan)
+    with ns.FullyShardedDataParallel.summon_full_params(unit, writeback=False):
+        got = {ctx.impl.clean_fqn(n): p.detach().clone() for n, p in unit.named_parameters()}
+    got["scale"] = unit.module.scale
+    for name, want in own.items():
+        assert name in got, f"{ctx.where()} {name} not found on the unit (names {sorted(got)})"
+        assert torch.equal(got[name].to(want.device), want), (
+            f"{ctx.where()} {name} is not this rank's own value after wrapping without "
+            "sync_module_states (default False: nothing is broadcast)"
+        )

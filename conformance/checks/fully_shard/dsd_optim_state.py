@@ -191,3 +191,61 @@ def dsd_optim_load_then_step(ctx, full, broadcast, flatten=False):
             oracle.get_parameter(name),
             FP32["param"],
         )
+
+
+BEFORE_STEP_CASES = {
+    # Adam before its first step: no state yet, the helpers must not create it
+    "adam-get_optimizer_state_dict": {"optim": "adam", "via": "optim", "steps_before": 0},
+    # SGD without momentum never has state: after a step, the next backward's grads must stay
+    "sgd-get_state_dict": {"optim": "sgd", "via": "both", "steps_before": 1},
+}
+
+
+def _optim(kind, params):
+    return _adam(params) if kind == "adam" else torch.optim.SGD(params, lr=0.1)
+
+
+@check(area="fsdp2_state_dict", requires=REQUIRES, cases=BEFORE_STEP_CASES, world_sizes=(2,))
+def dsd_optim_get_keeps_grads(ctx, optim, via, steps_before):
+    """P29: taking the optimizer state dict (``get_optimizer_state_dict`` or ``get_state_dict``)
+    between a backward and the step reads, and changes nothing: an optimizer that holds no state
+    (Adam before its first step, SGD without momentum at any time) gives ``"state": {}``, every
+    parameter keeps its gradient (same values), and the step that follows gives the unsharded
+    model's parameters."""
+    dsd = _dsd()
+    oracle = Net(0).to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLAN)
+    oopt, opt = _optim(optim, oracle.parameters()), _optim(optim, model.parameters())
+    for step in range(steps_before):
+        _step(ctx, oracle, oopt, step, sharded=False)
+        _step(ctx, model, opt, step)
+    x = _batch(ctx, steps_before)
+    (oracle(x) ** 2).mean().backward()
+    (model(x[ctx.rank * B : (ctx.rank + 1) * B]) ** 2).mean().backward()
+    grads = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+    if via == "optim":
+        osd = dsd.get_optimizer_state_dict(model, opt)
+    else:
+        _msd, osd = dsd.get_state_dict(model, opt)
+    assert osd.get("state") == {}, (
+        f"{ctx.where()} {via}: an optimizer without state gave state for "
+        f"{sorted(osd.get('state', {}))}, expected 'state': {{}}"
+    )
+    for name, param in model.named_parameters():
+        assert param.grad is not None, (
+            f"{ctx.where()} {name}: .grad is None after taking the optimizer state dict; the "
+            "gradient of the backward before it must stay"
+        )
+        assert torch.equal(param.grad.to_local(), grads[name]), (
+            f"{ctx.where()} {name}: .grad changed while taking the optimizer state dict"
+        )
+    oopt.step()
+    opt.step()
+    for name, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{name} after the step that follows the state-dict call",
+            param.detach().full_tensor(),
+            oracle.get_parameter(name),
+            FP32["param"],
+        )

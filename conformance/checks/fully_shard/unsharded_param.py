@@ -116,17 +116,23 @@ def optimizer_after_no_grad_forward(ctx, name):
 def unshard_api(ctx, async_op):
     """``unshard()`` (or ``unshard(async_op=True)`` then ``wait()``) before any forward registers
     plain Parameters with the original values on that unit only; ``reshard()`` frees them again,
-    and a second unshard reuses the same Parameter object (P18, P4)."""
+    and a second unshard reuses the same Parameter object (P18, P4). The synchronous form (no
+    argument the first time, ``async_op=False`` the second) returns None and needs no ``wait()``."""
     model, originals = build(ctx)
     first = {}
     for i, unit in enumerate(UNITS):
         module = model.get_submodule(unit)
-        handle = module.unshard(async_op=async_op)
+        handle = module.unshard(async_op=True) if async_op else module.unshard()
         if async_op:
             assert handle is not None, (
                 f"{ctx.where()} unshard(async_op=True) on {unit!r} returned None"
             )
             handle.wait()
+        else:
+            assert handle is None, (
+                f"{ctx.where()} unshard() on {unit!r} returned {handle!r}; the default "
+                "async_op=False returns None"
+            )
         for fqn, name, owner in own_params(model, unit):
             param = getattr(owner, name)
             assert_unsharded(ctx, fqn, param, originals[fqn], f" after {unit or 'root'}.unshard()")
@@ -149,6 +155,11 @@ def unshard_api(ctx, async_op):
         handle = model.get_submodule(unit).unshard(async_op=async_op)
         if async_op:
             handle.wait()
+        else:
+            assert handle is None, (
+                f"{ctx.where()} unshard(async_op=False) on {unit!r} returned {handle!r}, "
+                "expected None"
+            )
         for fqn, name, owner in own_params(model, unit):
             assert getattr(owner, name) is first[fqn], (
                 f"{ctx.where()} {fqn}: the second unshard() registered a new Parameter object; "

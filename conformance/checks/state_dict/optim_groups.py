@@ -20,9 +20,10 @@ optimizer has it:
 ``{}``, SHARDED) into a freshly built model and optimizer gives back the same state, and one more
 step gives the unsharded model's parameters. A FULL dict in which some parameters of one flat
 parameter have state and others none (unused parameters the unsharded optimizer never stepped) is
-refused with ValueError (they disagree on ``step``). A FULL dict whose parameters of one flat parameter
-have different state names (one lacks ``exp_avg_sq``) is refused with ValueError ("Differing
-optimizer state names"). Under LOCAL (``LocalOptimStateDictConfig``) ``optim_state_dict`` gives
+refused with ValueError (they disagree on ``step``); with tensor state only (SGD's momentum)
+the stateless parameter's part is filled with zeros, which is what no momentum means. A FULL
+dict whose parameters of one flat parameter have different state names (one lacks
+``exp_avg_sq``) is refused with ValueError ("Differing optimizer state names"). Under LOCAL (``LocalOptimStateDictConfig``) ``optim_state_dict`` gives
 the SHARDED form's values, on the CPU with ``offload_to_cpu=True``.
 
 Every rank feeds the same global batch here, so the average FSDP takes over ranks is the unsharded
@@ -476,3 +477,58 @@ def fsdp1_optim_load_stateless_param(ctx, where):
             f"{ctx.where()} optim_state_dict_to_load accepted a dict in which {unused} have no "
             "state next to the other parameters of their flat parameter; expected ValueError"
         )
+
+
+@check(
+    area=AREA,
+    requires=REQUIRES,
+    cases={"optim_state_dict_to_load": {"via": "to_load"}, "shard_full": {"via": "shard_full"}},
+    world_sizes=(2,),
+)
+def fsdp1_optim_load_stateless_momentum(ctx, via):
+    """S35: a FULL dict whose state is tensors only (SGD's ``momentum_buffer``, no scalar
+    ``step``), taken from the unsharded optimizer and rekeyed to FQNs, in which the root unit's
+    unused ``tail`` (after ``head`` in its flat parameter) has no state, loads through
+    ``optim_state_dict_to_load`` (or the older ``shard_full_optim_state_dict``, S26) into the
+    flat optimizer: read back, the other parameters hold the unsharded optimizer's momentum and
+    ``tail`` none or zeros (a zero momentum is no momentum), and one more step gives the unsharded
+    model's parameters."""
+    ns = ctx.impl.ns
+    fsdp = ns.FullyShardedDataParallel
+    ctx.seed(0)
+    oracle = SpareNet("last").to(ctx.device)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        _step(ctx, oracle, oopt, step)
+    unused = [n for n, p in oracle.named_parameters() if p not in oopt.state]
+    assert unused == ["tail.weight", "tail.bias"], (
+        f"{ctx.where()} setup: parameters without state {unused}, expected tail's"
+    )
+    by_name = _quiet(
+        fsdp.rekey_optim_state_dict, oopt.state_dict(), ns.OptimStateKeyType.PARAM_NAME, oracle
+    )
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLAN)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if via == "to_load":
+        with _context(ctx, model, "full"):
+            flat = _quiet(fsdp.optim_state_dict_to_load, model, opt, by_name)
+    else:
+        flat = _quiet(fsdp.shard_full_optim_state_dict, by_name, model)
+    opt.load_state_dict(flat)
+    state = _osd(ctx, model, opt, "full", offload=False)["state"]
+    for name, p in oracle.named_parameters():
+        what = f"{name}.momentum_buffer loaded via {via}"
+        if name in unused:
+            got = state.get(name, {}).get("momentum_buffer")
+            assert got is None or not got.any(), (
+                f"{ctx.where()} {what}: {got}, expected none or zeros (no state in the dict)"
+            )
+            continue
+        assert name in state, f"{ctx.where()} {what}: no state after the load"
+        want = oopt.state[p]["momentum_buffer"]
+        assert_close(ctx, what, state[name]["momentum_buffer"], want, FP32["grad"])
+    _step(ctx, oracle, oopt, STEPS)
+    _step(ctx, model, opt, STEPS)
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"{name} one step after the load", got[name], ref, FP32["param"])

@@ -14,6 +14,7 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.adapters.base import NotSupported
+from conformance.checks._shared.models import expect_error
 from conformance.checks.wrap import _models as zoo
 from conformance.checks.wrap._cases import (
     MP_WARNING,
@@ -105,8 +106,10 @@ def plan_matches_expected(ctx, case):
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP2_API}, world_sizes=(1,))
 def plan_errors_and_warnings(ctx):
     """build_wrap_plan raises/warns as FSDP1's constructor would: W10 bad CustomPolicy answer
-    (ValueError), W12 mixed frozen parameters (ValueError / UserWarning by use_orig_params), W11
-    the batch-norm mixed-precision warning."""
+    (ValueError), W12 mixed frozen parameters (ValueError / UserWarning by use_orig_params,
+    False when ``root_kwargs`` does not give it, FSDP1's default), W11 the batch-norm
+    mixed-precision warning. The plan it returns is read-only: assigning one of its fields
+    raises AttributeError."""
     build, ns = _plan_builder(ctx), ctx.impl.ns
     W = ns.wrap
     model = zoo.nested_sequential()
@@ -122,15 +125,21 @@ def plan_errors_and_warnings(ctx):
         raise AssertionError(f"{ctx.where()} W10: a CustomPolicy answer of 1 did not raise")
 
     policy = W.ModuleWrapPolicy({zoo.LoraAttention})
-    try:
-        build(zoo.LoraModel(), policy, root_kwargs={"use_orig_params": False})
-    except ValueError as e:
-        want = lora_message("layers.0.attn", False)
-        assert str(e) == want, f"{ctx.where()} W12 message {str(e)!r}, expected {want!r}"
-    else:
-        raise AssertionError(
-            f"{ctx.where()} W12: mixed frozen parameters did not raise with use_orig_params=False"
-        )
+    # use_orig_params=False given, or left to FSDP1's default (False): no root_kwargs at all, or
+    # root_kwargs without the key
+    for given in ({"root_kwargs": {"use_orig_params": False}}, {}, {"root_kwargs": {}}):
+        try:
+            build(zoo.LoraModel(), policy, **given)
+        except ValueError as e:
+            want = lora_message("layers.0.attn", False)
+            assert str(e) == want, (
+                f"{ctx.where()} W12 ({given}) message {str(e)!r}, expected {want!r}"
+            )
+        else:
+            raise AssertionError(
+                f"{ctx.where()} W12: mixed frozen parameters did not raise with {given} "
+                "(use_orig_params=False, given or by default)"
+            )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         plan = build(zoo.LoraModel(), policy, root_kwargs={"use_orig_params": True})
@@ -139,6 +148,11 @@ def plan_errors_and_warnings(ctx):
     assert got == want, f"{ctx.where()} W12 warnings {got}, expected {want}"
     units = tuple(e.module_fqn for e in plan.entries)
     assert units == ("layers.0.attn", "layers.1.attn", ""), f"{ctx.where()} W12 units {units}"
+    for field in ("entries", "ignored_param_fqns"):  # a plan is read-only, as its entries
+        expect_error(
+            ctx, f"assigning plan.{field}", AttributeError, "", lambda f=field: setattr(plan, f, ())
+        )
+    assert units == tuple(e.module_fqn for e in plan.entries), f"{ctx.where()} plan changed"
 
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -1,5 +1,6 @@
 """Area "wrap", the policies themselves: what each auto-wrap policy callable answers to the recurse
-and wrap questions, and how ``_or_policy`` and the per-class helper combine them (W1, W8, W9).
+and wrap questions, and how ``_or_policy`` and the per-class helper combine them (W1, W8, W9),
+and the abstract base of the one-pass policies (W23).
 
 These call the policies directly, without building any FSDP module; what FSDP1 builds from them is
 in ``auto_wrap.py``.
@@ -12,6 +13,7 @@ import functools
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.models import expect_error
 from conformance.checks.wrap._helpers import wrap_api
 from conformance.registry import check
 
@@ -110,3 +112,22 @@ def or_policy_and_per_class_policy(ctx):
             f"{ctx.where()} W8 _wrap_module_cls_individually({type(module).__name__}, "
             f"recurse={recurse}) = {got}, expected {want}"
         )
+
+
+@check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
+def policy_base_is_abstract(ctx):
+    """W23: ``_Policy``, the base of the one-pass policies (``ModuleWrapPolicy``,
+    ``CustomPolicy``), is abstract in ``_run_policy``: instantiating it, or a subclass that does
+    not define ``_run_policy``, raises TypeError; a subclass that defines it instantiates."""
+    policy_cls = wrap_api(ctx, "_Policy")
+
+    class Partial(policy_cls):
+        """Defines nothing: ``_run_policy`` is still abstract."""
+
+    class Complete(policy_cls):
+        def _run_policy(self, root_module, ignored_modules, root_kwargs):
+            return {}
+
+    for cls in (policy_cls, Partial):
+        expect_error(ctx, f"{cls.__name__}()", TypeError, "abstract", cls)
+    assert isinstance(Complete(), policy_cls), f"{ctx.where()} a complete _Policy subclass"
