@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": indexing a unit that wraps an ``nn.Sequential`` (R60).
+"""Area "fsdp1_runtime": indexing a unit that wraps an ``nn.Sequential`` (R62).
 
 [Note: indexing through the unit]
 A unit built over an ``nn.Sequential`` answers ``unit[key]`` as the wrapped Sequential does, so
@@ -20,7 +20,7 @@ from conformance.registry import check
 
 @check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1, 2))
 def sequential_indexing(ctx):
-    """R60: ``unit[i]`` on a unit wrapping ``nn.Sequential(a, tanh, b)`` is the Sequential's own
+    """R62: ``unit[i]`` on a unit wrapping ``nn.Sequential(a, tanh, b)`` is the Sequential's own
     layer at i (0, 2, -1: the very objects), and ``unit[0:2]`` a Sequential of ``a`` and the
     tanh, those very objects in order."""
     ctx.seed(0)

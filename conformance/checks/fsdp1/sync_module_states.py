@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": ``sync_module_states`` at FSDP1 construction (R59).
+"""Area "fsdp1_runtime": ``sync_module_states`` at FSDP1 construction (R61).
 
 [Note: what the ranks start from]
 Each rank builds the module from the same seed and then adds its rank to every parameter and
@@ -93,7 +93,7 @@ def _assert_values(ctx, unit, want, what):
     world_sizes=(2,),
 )
 def sync_module_states_broadcast(ctx, model_name):
-    """R59: ``FullyShardedDataParallel(m, sync_module_states=True)`` over ranks initialised
+    """R61: ``FullyShardedDataParallel(m, sync_module_states=True)`` over ranks initialised
     differently (rank r adds r to every state) leaves every rank with rank 0's parameters and
     buffers and a forward equal to rank 0's module; or, where some state of ``m`` is on the CPU,
     refuses at construction with ValueError naming ``sync_module_states=True``, also for a module
@@ -121,7 +121,7 @@ def sync_module_states_broadcast(ctx, model_name):
 
 @check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(2,))
 def sync_module_states_default_off(ctx):
-    """R59: without ``sync_module_states`` (default False) nothing is broadcast: each rank's
+    """R61: without ``sync_module_states`` (default False) nothing is broadcast: each rank's
     unit holds the parameters and buffers that rank built (rank r: its own ``base + r``)."""
     mine, _ = _per_rank(ctx, "both")
     want = copy.deepcopy(mine)
