@@ -1,0 +1,142 @@
+"""Area "fsdp1_runtime": ``sync_module_states`` at FSDP1 construction (R61).
+
+[Note: what the ranks start from]
+Each rank builds the module from the same seed and then adds its rank to every parameter and
+buffer, so rank r starts from ``base + r`` and rank 0 from ``base``. With
+``sync_module_states=True`` a unit replaces every rank's values of the parameters it manages and
+of the module's buffers by rank 0's before it flattens them: after construction every rank holds
+``base`` (parameters read back from the flat shards and an all-gather, buffers from the unit's
+``named_buffers()``), and a forward equals the unwrapped module's built from ``base``. Without it
+(the default, ``False``) nothing is broadcast: rank r keeps ``base + r``.
+
+Upstream torch broadcasts only states that live on an accelerator: where any parameter or buffer
+of the module is on the CPU it refuses at construction with ValueError naming
+``sync_module_states=True``. That refusal is accepted in place of the broadcast, but only when some
+state is on the CPU, and it must come for every kind of state: a module whose only states are
+buffers is refused (or broadcast) as one whose only states are parameters is. What may never
+happen is a construction that succeeds and leaves a rank with its own values.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from conformance.adapters import base
+from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks._shared.sd_models import full_params
+from conformance.registry import check
+
+REQUIRES = {base.FLAT_PARAM, base.FSDP1_API}
+
+
+class _Both(nn.Module):
+    """Linear(4, 3) plus a persistent buffer ``shift`` (3,) added to its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("shift", torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x) + self.shift
+
+
+class _BuffersOnly(nn.Module):
+    """No parameter: a buffer ``shift`` (4,) added to the input and a buffer ``gain`` (4,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.randn(4))
+        self.register_buffer("gain", torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return (x + self.shift) * self.gain
+
+
+MODELS = {"both": _Both, "buffers_only": _BuffersOnly, "params_only": lambda: nn.Linear(4, 3)}
+
+
+def _kwargs(ctx):
+    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
+
+
+def _per_rank(ctx, model_name):
+    """(the module of this rank: base + rank everywhere, the oracle: base = rank 0's)."""
+    ctx.seed(0)
+    oracle = MODELS[model_name]().to(ctx.device)
+    mine = copy.deepcopy(oracle)
+    with torch.no_grad():
+        for t in [*mine.parameters(), *mine.buffers()]:
+            t.add_(float(ctx.rank))
+    return mine, oracle
+
+
+def _assert_values(ctx, unit, want, what):
+    """Every parameter and buffer of ``unit`` (clean names) equals ``want``'s."""
+    got = full_params(ctx, unit) if list(want.parameters()) else {}
+    for name, ref in want.named_parameters():
+        assert name in got, f"{ctx.where()} {what}: parameter {name} not managed by the unit"
+        assert_close(ctx, f"{what}: parameter {name}", got[name], ref, FP32["param"])
+    bufs = {ctx.impl.clean_fqn(n): b for n, b in unit.named_buffers()}
+    for name, ref in want.named_buffers():
+        assert name in bufs, f"{ctx.where()} {what}: buffer {name} missing ({sorted(bufs)})"
+        assert_close(ctx, f"{what}: buffer {name}", bufs[name], ref, FP32["param"])
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES,
+    cases={name: {"model_name": name} for name in MODELS},
+    world_sizes=(2,),
+)
+def sync_module_states_broadcast(ctx, model_name):
+    """R61: ``FullyShardedDataParallel(m, sync_module_states=True)`` over ranks initialised
+    differently (rank r adds r to every state) leaves every rank with rank 0's parameters and
+    buffers and a forward equal to rank 0's module; or, where some state of ``m`` is on the CPU,
+    refuses at construction with ValueError naming ``sync_module_states=True``, also for a module
+    whose only states are buffers or only parameters; never a unit that kept a rank's own values."""
+    ns = ctx.impl.ns
+    mine, oracle = _per_rank(ctx, model_name)
+    on_cpu = any(t.device.type == "cpu" for t in [*mine.parameters(), *mine.buffers()])
+    try:
+        unit = ns.FullyShardedDataParallel(mine, sync_module_states=True, **_kwargs(ctx))
+    except ValueError as exc:
+        assert on_cpu, (
+            f"{ctx.where()} sync_module_states=True refused a module with no state on the CPU: "
+            f"{exc}"
+        )
+        assert "sync_module_states=True" in str(exc), (
+            f"{ctx.where()} the refusal of CPU states {str(exc)[:300]!r} does not name "
+            "sync_module_states=True"
+        )
+        return
+    _assert_values(ctx, unit, oracle, "after construction with sync_module_states=True")
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(11)).to(ctx.device)
+    with torch.no_grad():
+        assert_close(ctx, "forward after the broadcast", unit(x), oracle(x), FP32["loss"])
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(2,))
+def sync_module_states_default_off(ctx):
+    """R61: without ``sync_module_states`` (default False) nothing is broadcast: each rank's
+    unit holds the parameters and buffers that rank built (rank r: its own ``base + r``)."""
+    mine, _ = _per_rank(ctx, "both")
+    want = copy.deepcopy(mine)
+    unit = ctx.impl.ns.FullyShardedDataParallel(mine, **_kwargs(ctx))
+    bufs = {ctx.impl.clean_fqn(n): b for n, b in unit.named_buffers()}
+    assert_close(ctx, "buffer shift (own)", bufs["shift"], want.shift, FP32["param"])
+    # the flat shard of this rank is its chunk of its own flattened parameters
+    for fqns, flat in ctx.impl.flat_shards(unit):
+        full = torch.cat([want.get_parameter(f).detach().reshape(-1).cpu() for f in fqns])
+        chunk = -(-full.numel() // ctx.world_size)
+        own = full[ctx.rank * chunk : (ctx.rank + 1) * chunk]
+        assert_close(
+            ctx,
+            f"flat shard of {fqns} (own values)",
+            flat.detach().reshape(-1).cpu()[: own.numel()],
+            own,
+            FP32["param"],
+        )
