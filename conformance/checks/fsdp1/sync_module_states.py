@@ -117,26 +117,3 @@ def sync_module_states_broadcast(ctx, model_name):
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(11)).to(ctx.device)
     with torch.no_grad():
         assert_close(ctx, "forward after the broadcast", unit(x), oracle(x), FP32["loss"])
-
-
-@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(2,))
-def sync_module_states_default_off(ctx):
-    """R61: without ``sync_module_states`` (default False) nothing is broadcast: each rank's
-    unit holds the parameters and buffers that rank built (rank r: its own ``base + r``)."""
-    mine, _ = _per_rank(ctx, "both")
-    want = copy.deepcopy(mine)
-    unit = ctx.impl.ns.FullyShardedDataParallel(mine, **_kwargs(ctx))
-    bufs = {ctx.impl.clean_fqn(n): b for n, b in unit.named_buffers()}
-    assert_close(ctx, "buffer shift (own)", bufs["shift"], want.shift, FP32["param"])
-    # the flat shard of this rank is its chunk of its own flattened parameters
-    for fqns, flat in ctx.impl.flat_shards(unit):
-        full = torch.cat([want.get_parameter(f).detach().reshape(-1).cpu() for f in fqns])
-        chunk = -(-full.numel() // ctx.world_size)
-        own = full[ctx.rank * chunk : (ctx.rank + 1) * chunk]
-        assert_close(
-            ctx,
-            f"flat shard of {fqns} (own values)",
-            flat.detach().reshape(-1).cpu()[: own.numel()],
-            own,
-            FP32["param"],
-        )
