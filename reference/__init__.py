@@ -4,8 +4,8 @@
 covers:
 
 * FSDP2 (per-parameter sharding): :func:`fully_shard`, :class:`FSDPModule`,
-  :class:`MixedPrecisionPolicy`, :class:`OffloadPolicy`, :class:`CPUOffloadPolicy`
-  (``reference/_fully_shard/``).
+  :class:`MixedPrecisionPolicy`, :class:`OffloadPolicy`, :class:`CPUOffloadPolicy`,
+  :func:`share_comm_ctx` (``reference/_fully_shard/``).
 * FSDP1 (flat-parameter sharding): :class:`FullyShardedDataParallel`, :class:`StateDictType`,
   the state-dict configs, :class:`MixedPrecision`, :class:`ShardingStrategy`
   (``reference/_fsdp1/``).
@@ -39,6 +39,7 @@ _EXPORTS = {
     "MixedPrecisionPolicy": "reference._fully_shard",
     "OffloadPolicy": "reference._fully_shard",
     "CPUOffloadPolicy": "reference._fully_shard",
+    "share_comm_ctx": "reference._fully_shard",
     # FSDP1
     "FullyShardedDataParallel": "reference._fsdp1.fully_sharded_data_parallel",
     "StateDictType": "reference.api",

@@ -297,3 +297,20 @@ def forward_on_meta_params(ctx, strict=False):
         "forward on meta parameters",
         strict,
     )
+
+
+@check(area="bad_input", requires=API)
+def options_are_keyword_only(ctx, strict=False):
+    """Every option after the module is keyword-only: ``fully_shard(model, mesh)`` with the mesh
+    passed by position raises TypeError '... takes 1 positional argument but 2 were given' instead
+    of sharding on it (P66)."""
+    model = Two().to(ctx.device)
+    expect_rejected(
+        ctx,
+        model,
+        lambda: ctx.impl.ns.fully_shard(model, ctx.mesh),
+        TypeError,
+        r"positional argument",
+        "fully_shard(model, mesh) with the mesh passed by position",
+        strict,
+    )

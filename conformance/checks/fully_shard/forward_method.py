@@ -56,13 +56,21 @@ def registered_forward_method(ctx):
     """P30: after ``register_fsdp_forward_method(model.enc, "encode")`` and one ordinary step
     (so ``model`` is the root), a call of ``model.enc.encode(x)`` (not forward) returns the unsharded model's ``enc.encode(x)``, leaves
     ``enc``'s parameters registered as sharded DTensors, and a backward through it gives them the
-    oracle's gradient chunks."""
+    oracle's gradient chunks. The registered ``model.enc.encode`` keeps the method's ``__name__``
+    and ``__doc__``."""
     from torch.distributed.tensor import DTensor
 
     ctx.seed(0)
     oracle = Net().to(ctx.device)
     model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("enc", {}), ("", {})])
     ctx.impl.ns.register_fsdp_forward_method(model.enc, "encode")
+    wrapped = model.enc.encode
+    for attr in ("__name__", "__doc__"):
+        assert getattr(wrapped, attr, None) == getattr(Encoder.encode, attr), (
+            f"{ctx.where()} enc.encode.{attr} after registration is "
+            f"{getattr(wrapped, attr, None)!r}, expected the method's own "
+            f"{getattr(Encoder.encode, attr)!r}"
+        )
     x = torch.randn(3, 4, device=ctx.device)
     model(x).sum().backward()  # lazy init from the root: enc is a non-root unit (P2: reshards)
     model.zero_grad(set_to_none=True)

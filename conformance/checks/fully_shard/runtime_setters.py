@@ -31,12 +31,14 @@ from conformance.registry import check
 
 REQUIRES = {base.FSDP2_API, base.RESHARD_AFTER_FORWARD, base.DTENSOR_PARAMS}
 
-# case: (reshard_after_forward at build, unit to call the setter on, flag, recurse, expected states)
+# case: (reshard_after_forward at build, unit to call the setter on, flag, recurse, expected states);
+# recurse None: the call leaves the argument out, so its default (True) decides
 SETTER_CASES = {
     "child-false": (True, "lin1", False, True, {"lin1": "U", "lin2": "S", "": "S"}),
     "root-true-overrides-default": (None, "", True, True, {"lin1": "S", "lin2": "S", "": "S"}),
     "root-false-no-recurse": (True, "", False, False, {"lin1": "S", "lin2": "S", "": "U"}),
     "all-false": (True, "", False, True, {"lin1": "U", "lin2": "U", "": "U"}),
+    "all-false-recurse-default": (True, "", False, None, {"lin1": "U", "lin2": "U", "": "U"}),
 }
 
 
@@ -49,10 +51,15 @@ def set_reshard_after_forward_at_run_time(ctx, name):
     """After ``set_reshard_after_forward(flag, recurse)`` on a unit before the first forward, each
     unit's registered parameters after forward are in the state ``flag`` implies for the units it
     reached (False: UNSHARDED, the very objects forward used; True: SHARDED, the root included, its
-    default overridden), and the others keep the state of their build-time value (P2)."""
+    default overridden), and the others keep the state of their build-time value; ``recurse``
+    left out means True (P2)."""
     built_raf, unit, flag, recurse, expect = SETTER_CASES[name]
     model, originals = build(ctx, reshard_after_forward=built_raf)
-    model.get_submodule(unit).set_reshard_after_forward(flag, recurse=recurse)
+    setter = model.get_submodule(unit).set_reshard_after_forward
+    if recurse is None:
+        setter(flag)
+    else:
+        setter(flag, recurse=recurse)
     with torch.no_grad():
         model(batch(ctx))
     _check_after_forward(ctx, model, originals, expect, f"{built_raf}, then {name}")
