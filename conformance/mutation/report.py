@@ -27,12 +27,27 @@ at, keyed by the mutant's fingerprint (see :func:`conformance.mutation.populatio
     mutant = "..."
     by = "area::check[case]"
 
+    [[classed]]                 # no CPU run can reach or observe it: judged on a device, not here
+    fingerprint = "..."
+    mutant = "..."
+    class = "cuda-only"         # or "performance"
+    why = "one line: the only route to the line, or why only speed / memory changes"
+
 Every entry names its ``target`` (``reference`` or ``torch``, see ``--target``; an entry without
 one is the reference's): a campaign reads only its own target's entries.
 
 A survivor is triaged when it has an entry of any kind; equivalent ones leave the score's M. A
 ``killed`` entry only matters for a session judged before that check existed (a rerun on the new
 tree kills the mutant outright).
+
+``classed`` is the hand-made twin of [Note: classed mutants] (``classes.py``), for what the static
+classifier cannot see: the mutated line runs only on a path a CUDA device takes (no CPU
+configuration of the public API reaches it: ``device_id=cuda``, pinned-memory CPU offload,
+symmetric memory), or its whole effect is on speed or memory (a stream's priority, when a buffer
+is freed), never on a value, an error or a warning. Such a survivor leaves M like an equivalent
+one and is counted in the report's classed table as ``<class> (triage)``. Private code that only a
+direct call reaches, a warning's stacklevel, or an effect only private state shows are *not*
+classed: those stay gaps. ``TRIAGED_CLASSES`` holds the two classes the issue names.
 """
 
 from __future__ import annotations
@@ -53,6 +68,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 KILLED = ("killed", "timeout")
+TRIAGED_CLASSES = ("cuda-only", "performance")  # [Note: triage], ``classed``
+OUT_OF_SCORE = ("equivalent", "classed")  # triage kinds that leave M
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -73,11 +90,17 @@ def load_triage(path: Path, target: str = "reference") -> dict[str, dict]:
         return {}
     data = tomllib.loads(path.read_text())
     entries = {}
-    for kind, field in (("equivalent", "reason"), ("gap", "needs"), ("killed", "by")):
+    kinds = (("equivalent", "reason"), ("gap", "needs"), ("killed", "by"), ("classed", "why"))
+    for kind, field in kinds:
         for entry in data.get(kind, []):
             if not entry.get("fingerprint") or not entry.get(field):
                 raise SystemExit(
                     f"mutation: {path}: every [[{kind}]] needs a fingerprint and a {field}: {entry}"
+                )
+            if kind == "classed" and entry.get("class") not in TRIAGED_CLASSES:
+                raise SystemExit(
+                    f"mutation: {path}: class {entry.get('class')!r} of {entry['fingerprint']}: "
+                    f"expected one of {', '.join(TRIAGED_CLASSES)}"
                 )
             mine = entry.get("target", "reference")
             if mine not in TARGETS:
@@ -93,7 +116,7 @@ def load_triage(path: Path, target: str = "reference") -> dict[str, dict]:
 def _score(records: list[dict]) -> dict:
     k = sum(r["status"] in KILLED for r in records)
     s = sum(
-        r["status"] == "survived" and r.get("triage", {}).get("kind") != "equivalent"
+        r["status"] == "survived" and r.get("triage", {}).get("kind") not in OUT_OF_SCORE
         for r in records
     )
     m = k + s
@@ -123,7 +146,11 @@ def summarise(records: list[dict], triage: dict[str, dict], target: str = "refer
     for r in records:
         if r["status"] == "classed":
             per = classed.setdefault(r.get("class", r["note"]), {})
-            per[r["part"]] = per.get(r["part"], 0) + 1
+        elif r.get("triage", {}).get("kind") == "classed":
+            per = classed.setdefault(f"{r['triage']['class']} (triage)", {})
+        else:
+            continue
+        per[r["part"]] = per.get(r["part"], 0) + 1
     families = sorted({operators.operator_class(r["operator"]) for r in records})
     by_op = {
         f: _score([r for r in records if operators.operator_class(r["operator"]) == f])
@@ -150,6 +177,8 @@ def _survivor_entry(r: dict) -> dict:
         triage = f"equivalent: {t['reason']}"
     elif t["kind"] == "killed":
         triage = f"killed by {t['by']}"
+    elif t["kind"] == "classed":
+        triage = f"classed {t['class']}: {t['why']}"
     else:
         triage = f"gap: {t['needs']}"
     return {
@@ -190,6 +219,8 @@ def write(records, *, drawn, missing, args, population, triage_path, reports_dir
         "classed_by_class": s["classed"],
         "error": c.get("error", 0),
         "equivalent": sum(e["triage"].startswith("equivalent") for e in survivors),
+        # survivors a [[classed]] triage entry takes out of the score (counted in classed_by_class)
+        "classed_in_triage": sum(e["triage"].startswith("classed") for e in survivors),
         # verdicts taken over from an earlier session of the same draw (run.py --carry)
         "carried": sum(bool(r.get("carried")) for r in records),
         "carried_from": sorted({r["carried"] for r in records if r.get("carried")}),
@@ -253,8 +284,8 @@ def _markdown(d: dict, line: str) -> str:
         + f"; judged {d['judged']}, pending {d['pending']}.",
         "",
         f"killed {d['killed']}, timeout {d['timeout']}, survived {d['survived']} "
-        f"(equivalent {d['equivalent']}), incompetent {d['incompetent']}, "
-        f"classed {d['classed']}, error {d['error']}; "
+        f"(equivalent {d['equivalent']}, classed in triage {d['classed_in_triage']}), "
+        f"incompetent {d['incompetent']}, classed {d['classed']}, error {d['error']}; "
         f"median {d['median_s_per_mutant']} s per mutant run, {d['total_s']} s in all.",
         "",
         *(
@@ -270,8 +301,8 @@ def _markdown(d: dict, line: str) -> str:
         f"Survivors since killed by a named check (triage [[killed]]): {d['triaged_kills']}; "
         f"counting them, the score is {d['score_with_triaged_kills']}.",
         "",
-        "Score = (killed + timeout) / (killed + timeout + non-equivalent survivors), with "
-        "Wilson's 95 % interval.",
+        "Score = (killed + timeout) / (killed + timeout + survivors triaged neither equivalent "
+        "nor classed), with Wilson's 95 % interval.",
         "",
         "| part | score [95 % interval] |",
         "|---|---|",
@@ -279,8 +310,9 @@ def _markdown(d: dict, line: str) -> str:
         "",
         *(
             [
-                "Classed, not judged (a CPU run cannot observe them by design; "
-                "`conformance/mutation/classes.py`):",
+                "Classed, not scored (a CPU run cannot observe them by design; "
+                "`conformance/mutation/classes.py`, and `(triage)`: survivors a `[[classed]]` "
+                "triage entry classes):",
                 "",
                 "| class | mutants | per part |",
                 "|---|---|---|",
@@ -292,7 +324,7 @@ def _markdown(d: dict, line: str) -> str:
                 ),
                 "",
             ]
-            if d["classed"]
+            if d["classed_by_class"]
             else []
         ),
         "| operator family | score [95 % interval] |",
@@ -318,9 +350,9 @@ def _markdown(d: dict, line: str) -> str:
 
 
 def _gaps(survivors: list[dict]) -> str:
-    out = ["# Mutation gaps: survivors that are not equivalent", ""]
+    out = ["# Mutation gaps: survivors triaged neither equivalent nor classed", ""]
     for e in survivors:
-        if e["triage"].startswith("equivalent"):
+        if e["triage"].startswith(("equivalent", "classed")):
             continue
         out += [
             f"* `{e['file']}:{e['line']}` {operators.short_name(e['operator'])} "

@@ -337,6 +337,33 @@ def test_a_killed_entry_names_its_check(tmp_path):
     )["triage"].startswith("killed by area::check[case]")
 
 
+def test_a_classed_entry_leaves_the_score_and_counts_in_its_class(tmp_path):
+    """[Note: triage], ``classed``: a survivor classed cuda-only in triage leaves M like an
+    equivalent one and shows in the classed table as ``cuda-only (triage)``; an unknown class is
+    refused."""
+    path = tmp_path / "t.toml"
+    path.write_text(
+        '[[classed]]\nfingerprint = "abc"\ntarget = "torch"\nclass = "cuda-only"\n'
+        'why = "device_id=cuda only"\n'
+    )
+    base = {"part": "wrap", "operator": "core/NumberReplacer", "seconds": 1.0, "cases": 1}
+    records = [
+        base | {"status": "survived", "fingerprint": "abc"},
+        base | {"status": "survived", "fingerprint": "def"},
+        base | {"status": "killed", "fingerprint": "ghi"},
+    ]
+    summary = report.summarise(records, report.load_triage(path, "torch"), "torch")
+    assert (summary["killed"], summary["scored"]) == (1, 2)
+    assert summary["classed"] == {"cuda-only (triage)": {"wrap": 1}}
+    entry = report._survivor_entry(
+        records[0] | {"id": "i", "file": "f", "line": 1, "diff": "", "note": ""}
+    )
+    assert entry["triage"] == "classed cuda-only: device_id=cuda only"
+    path.write_text('[[classed]]\nfingerprint = "a"\nclass = "hard"\nwhy = "x"\n')
+    with pytest.raises(SystemExit, match="class 'hard' of a: expected one of cuda-only"):
+        report.load_triage(path)
+
+
 def test_a_statement_no_main_case_runs_is_judged_at_the_fallback_world_sizes():
     """[Note: fallback world sizes]: with no case at the main world sizes executing the mutated
     statement, ``prepare`` asks for the fallback map once and takes its cases; with none there

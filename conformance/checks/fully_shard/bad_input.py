@@ -303,7 +303,7 @@ def forward_on_meta_params(ctx, strict=False):
 def options_are_keyword_only(ctx, strict=False):
     """Every option after the module is keyword-only: ``fully_shard(model, mesh)`` with the mesh
     passed by position raises TypeError '... takes 1 positional argument but 2 were given' instead
-    of sharding on it (P66)."""
+    of sharding on it (P66); the same mesh by keyword shards a module."""
     model = Two().to(ctx.device)
     expect_rejected(
         ctx,
@@ -313,4 +313,8 @@ def options_are_keyword_only(ctx, strict=False):
         r"positional argument",
         "fully_shard(model, mesh) with the mesh passed by position",
         strict,
+    )
+    fresh = ctx.impl.ns.fully_shard(Two().to(ctx.device), mesh=ctx.mesh)
+    assert isinstance(fresh, ctx.impl.ns.FSDPModule), (
+        f"{ctx.where()} fully_shard(model, mesh=mesh): {type(fresh).__name__} is no FSDPModule"
     )
