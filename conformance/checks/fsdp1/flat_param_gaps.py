@@ -11,8 +11,10 @@
 * With ``use_orig_params=False`` the exposed flat parameter's ``.data`` replaced by a tensor one
   element short is refused at the next forward with AssertionError naming the expected and the
   actual size (R65).
-* ``ignored_modules`` that is not iterable is refused with TypeError naming ``ignored_modules``
-  and the type given (R67).
+* A unit that got a gradient inside ``no_sync()`` and is not used by the next, synced backward
+  never ends up with a gradient of its unsharded size: upstream refuses that backward (R66).
+* ``ignored_modules`` that FSDP1 cannot hold as a set of modules (an int, a list with an unhashable
+  module) is refused with TypeError (R67).
 * ``sync_module_states=True`` treats a tensor-subclass buffer (``TwoTensor``) as its inner
   tensors: refused for CPU states as R61 says, or broadcast, never left per rank (R68).
 """
@@ -228,4 +230,41 @@ def sync_module_states_subclass_buffer(ctx):
     for k, ref in want.items():
         assert_close(
             ctx, f"buffer pair.{k} after the broadcast", getattr(pair, k), ref, FP32["param"]
+        )
+
+
+# ------------------------------------------------------------------------------ R66
+class _Skippable(nn.Module):
+    """``head(inner(x))``, or ``head(x)`` alone when called with ``use_inner=False``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, use_inner: bool = True):
+        return self.head(self.inner(x) if use_inner else x)
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.TRAINING}, world_sizes=(2,))
+def no_sync_then_unit_unused(ctx):
+    """R66: FULL_SHARD at ws 2, ``inner`` its own unit: a backward inside ``model.no_sync()``
+    that uses ``inner``, then a synced forward and backward that does not: the synced backward is
+    either refused with AssertionError (upstream: the unit's no_sync gradient was never reduced),
+    or it completes and every flat parameter's gradient, where there is one, has the shape of the
+    rank's shard (never the unit's unsharded size)."""
+    ctx.seed(0)
+    model = ctx.impl.shard(_Skippable().to(ctx.device), ctx, plan=[("inner", {}), ("", {})])
+    x = _x(ctx, 4, 10)
+    with model.no_sync():
+        model(x).sum().backward()
+    try:
+        model(x, use_inner=False).sum().backward()
+    except AssertionError:
+        return
+    shards = {tuple(fqns): flat.shape for fqns, flat in ctx.impl.flat_shards(model)}
+    for fqns, grad in ctx.impl.flat_grads(model):
+        assert grad is None or grad.shape == shards[tuple(fqns)], (
+            f"{ctx.where()} after a no_sync backward and a synced one without inner: the flat "
+            f"gradient of {fqns} is {tuple(grad.shape)}, the shard {tuple(shards[tuple(fqns)])}"
         )
