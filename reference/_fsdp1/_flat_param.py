@@ -300,6 +300,10 @@ class FlatParamHandle(FlatGradHandling):
         """Views of the original parameters (original shapes) into an unsharded flat tensor."""
         fp = self.flat_param
         n = fp._unpadded_unsharded_size.numel()
+        if padded.numel() < n:  # e.g. the flat parameter's .data replaced by a shorter tensor
+            raise AssertionError(
+                f"Expects the unsharded flat tensor to hold {n} elements but got {padded.numel()}"
+            )
         pieces = torch.split(padded[:n], list(fp._numels_with_padding))
         views = [t for t, pad in zip(pieces, fp._is_padding_mask) if not pad]
         return [v.view(shape) for v, shape in zip(views, fp._shapes)]

@@ -163,6 +163,13 @@ class FullyShardedDataParallel(_FSDPState):
         self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
         # ignored_states of modules count as ignored_modules; anything else must be parameters
         states = list(ignored_states if ignored_states is not None else ignored_modules or [])
+        try:  # they are kept as a set: an unhashable module (one defining __eq__ only) cannot be
+            set(states)
+        except TypeError as exc:
+            raise TypeError(
+                "`ignored_modules` should be an iterable of hashable `torch.nn.Module`s but got "
+                f"{[type(s) for s in states]}"
+            ) from exc
         as_modules = ignored_states is None or all(isinstance(s, nn.Module) for s in states)
         self._ignored_modules, self._ignored_params = _get_ignored_states(
             module, states if as_modules else (), () if as_modules else states
