@@ -1,4 +1,4 @@
-"""Area "training": edges of ``fully_shard``'s set-up (P68-P70).
+"""Area "training": edges of ``fully_shard``'s set-up (P68-P72).
 
 * P68: the public FSDP2 names a namespace exports report that namespace as their ``__module__``
   (and ``inspect.getmodule`` finds it), whatever private module defines them.
@@ -9,6 +9,8 @@
 * P70: three shard dims ``DataParallelMeshDims(shard=("dp", "cp", "ep"))`` flatten into one shard
   dim (P56) however many are named: the parameter is ``(Shard(0),)`` on a 1-D mesh of their
   product.
+* P71: FSDP's parameter swaps fire no global parameter-registration hook.
+* P72: ``dp_mesh_dims`` with parameters on a mesh without dim names raises AssertionError.
 """
 
 from __future__ import annotations
@@ -132,3 +134,68 @@ def dp_mesh_dims_layouts(ctx, name):
         )
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     step_and_compare(ctx, model, oracle, opts, 0)
+
+
+@check(
+    area="training",
+    requires={base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_DP_MESH_DIMS},
+    world_sizes=(1,),
+)
+def dp_mesh_dims_unnamed_param_mesh(ctx):
+    """P72: with ``dp_mesh_dims`` the parameters' DTensor mesh must have dim names: parameters
+    on a mesh without ``mesh_dim_names`` make ``fully_shard(model, mesh=<named mesh>,
+    dp_mesh_dims=DataParallelMeshDims(shard="dp"))`` raise AssertionError naming
+    ``mesh_dim_names``."""
+    ns = ctx.impl.ns
+    ws = ctx.world_size
+    named = ctx.make_mesh((ws,), ("dp",))
+    unnamed = ctx.make_mesh((ws,), None)
+    ctx.seed(0)
+    model = OnMesh(Pair().to(ctx.device), unnamed, None)
+    try:
+        ns.fully_shard(model, mesh=named, dp_mesh_dims=ns.DataParallelMeshDims(shard="dp"))
+    except AssertionError as exc:
+        assert "mesh_dim_names must not be None" in str(exc), (
+            f"{ctx.where()} AssertionError {exc!r} does not name mesh_dim_names"
+        )
+    else:
+        raise AssertionError(f"{ctx.where()} parameters on an unnamed mesh raised nothing")
+
+
+@check(area="training", requires={base.TRAINING, base.FSDP2_API}, world_sizes=(1, 2))
+def swaps_fire_no_registration_hooks(ctx):
+    """P71: FSDP's swaps between sharded and unsharded parameters are not registrations: a global
+    ``register_module_parameter_registration_hook`` registered after ``fully_shard`` (on a
+    ``Linear`` and its ``Sequential`` root) is called for none of them during a forward and
+    backward, and the step's gradients are the unsharded model's chunks."""
+    from torch import nn
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    ns = ctx.impl.ns
+    ws, rank = ctx.world_size, ctx.rank
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(4, 4)).to(ctx.device)
+    model = copy.deepcopy(oracle)
+    mesh = ctx.make_mesh((ws,))
+    ns.fully_shard(model[0], mesh=mesh)
+    ns.fully_shard(model, mesh=mesh)
+    calls = []
+    handle = register_module_parameter_registration_hook(
+        lambda module, name, param: calls.append((type(module).__name__, name))
+    )
+    try:
+        g = torch.Generator().manual_seed(92)
+        x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+        model(x[rank * B : (rank + 1) * B]).square().mean().backward()
+    finally:
+        handle.remove()
+    assert not calls, f"{ctx.where()} parameter registration hooks fired for {calls}"
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{fqn} sharded gradient",
+            param.grad.to_local(),
+            chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
+            FP32["grad"],
+        )
