@@ -1,4 +1,4 @@
-"""Area "training": edges of ``fully_shard``'s set-up (P68-P72).
+"""Area "training": edges of ``fully_shard``'s set-up (P68-P73).
 
 * P68: the public FSDP2 names a namespace exports report that namespace as their ``__module__``
   (and ``inspect.getmodule`` finds it), whatever private module defines them.
@@ -11,6 +11,7 @@
   product.
 * P71: FSDP's parameter swaps fire no global parameter-registration hook.
 * P72: ``dp_mesh_dims`` with parameters on a mesh without dim names raises AssertionError.
+* P73: ``set_reduce_scatter_max_input_buffers`` recurses over FSDP modules only.
 """
 
 from __future__ import annotations
@@ -199,3 +200,34 @@ def swaps_fire_no_registration_hooks(ctx):
             chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
             FP32["grad"],
         )
+
+
+@check(area="training", requires={base.TRAINING, base.FSDP2_API}, world_sizes=(1, 2))
+def max_input_buffers_plain_children(ctx):
+    """P73: ``set_reduce_scatter_max_input_buffers(2)`` (recursive by default) on a root
+    ``fully_shard``-ed alone, whose children are plain modules, sets the root's groups and
+    passes over the plain children; a forward/backward and SGD step afterwards equal the
+    unsharded model's (the knob changes no value)."""
+    from torch import nn
+
+    ns = ctx.impl.ns
+    ws, rank = ctx.world_size, ctx.rank
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(ctx.device)
+    model = copy.deepcopy(oracle)
+    ns.fully_shard(model, mesh=ctx.make_mesh((ws,)))
+    model.set_reduce_scatter_max_input_buffers(2)
+    g = torch.Generator().manual_seed(93)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    model(x[rank * B : (rank + 1) * B]).square().mean().backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert_close(
+            ctx,
+            f"{fqn} sharded gradient",
+            param.grad.to_local(),
+            chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
+            FP32["grad"],
+        )
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    step_and_compare(ctx, model, oracle, opts, 0)
