@@ -82,6 +82,7 @@ FSDP2_PER_PARAM_MESH = "fsdp2-per-param-mesh"  # shard_placement_fn -> ShardPlac
 FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a fully_shard model
 FSDP1_CPU_OFFLOAD = "fsdp1-cpu-offload"  # FSDP1 CPUOffload(offload_params=True) at construction
 FSDP1_FAKE_COLLECTIVES = "fsdp1-fake-collectives"  # env FSDP_USE_FAKE_ALL_GATHER / _REDUCE
+FSDP2_PUBLIC_MODULE = "fsdp2-public-module"  # public FSDP2 names report ns as __module__
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -185,6 +186,9 @@ PROMISES = {
     "alone) in the environment at construction, a sharded FSDP1 unit skips its all-gathers or "
     "its gradient reduce-scatters (a profiling aid: the values are then undefined) yet runs "
     "forward and backward to completion with the usual shapes",
+    FSDP2_PUBLIC_MODULE: "every public FSDP2 name `ns` exports (`fully_shard`, `FSDPModule`, the "
+    "policies, ...) has `__module__` equal to `ns.__name__`, so introspection and pickling by "
+    "reference name the public namespace, not the private module defining it",
     FSDP1_CPU_OFFLOAD: "`ns.FullyShardedDataParallel(module, cpu_offload=ns.CPUOffload("
     "offload_params=True))` builds units whose flat parameters (each rank's shard of the "
     "flattened original parameters) live on the CPU, whatever the compute device",
