@@ -40,6 +40,7 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_DP_MESH_DIMS,
             base.FSDP2_PER_PARAM_MESH,
             base.FSDP2_FUNCTORCH,
+            base.FSDP2_SYMM_MEM,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -51,6 +51,7 @@ def _reference_fsdp2():
         base.FSDP2_DP_MESH_DIMS,
         base.FSDP2_PER_PARAM_MESH,
         base.FSDP2_FUNCTORCH,
+        base.FSDP2_SYMM_MEM,
     }
     return impl
 
