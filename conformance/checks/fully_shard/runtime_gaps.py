@@ -9,12 +9,28 @@ allocator (``set_allocate_memory_from_process_group_for_comm(True)``), symmetric
 place (``ProcessGroupAllocAllGather``); turned off again (``False``), the unit is back on the
 default all-gather and that refusal is gone (on CPU/gloo the symmetric-memory setup itself then
 fails, NCCL being its only backend: any error but that AssertionError is accepted).
+
+[Note: a failed standalone call claims the iteration]
+The first unit whose pre-forward runs in an iteration takes the root's part for it (its
+post-forward completes the groups that did not run in full, P22/P63). A unit called on its own
+(a chunked loss calling a unit directly) takes that part too; if its forward raises, its
+post-forward never gives the part back, and the next root forward would leave the completion to
+that unit's post-forward (``inp``, run before the group: too early to complete it). ``reset_iter_state()`` on the root (P37) must clear the
+claim with the rest: the next root forward then completes a group ``fully_shard([a, b])`` whose
+``b`` it skipped, so the group is SHARDED right after that forward, and training equals the
+unsharded model's (the oracle of ``grouped.py``).
 """
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
 from conformance.adapters import base
-from conformance.checks._shared.oracle import MLP, PLANS
+from conformance.checks._shared.oracle import MLP, PLANS, B, backward_and_compare
+from conformance.checks.fully_shard.grouped import _assert_group_sharded, _batch
+from conformance.checks.fully_shard.grouped_edges import TrunkTail
 from conformance.registry import check
 
 
@@ -61,3 +77,49 @@ def symm_mem_after_pg_allocator(ctx):
         ) from exc
     except Exception:  # noqa: BLE001, S110 - symmetric memory itself needs NCCL (module note)
         pass
+
+
+class Injected(Exception):
+    """The error a check injects into a forward (caught by the check)."""
+
+
+@check(
+    area="states",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    world_sizes=(1, 2),
+)
+def reset_after_failed_standalone_call(ctx):
+    """P76: ``TrunkTail`` (P63: ``fully_shard(inp)``, the group ``fully_shard([a, b])`` whose ``b``
+    never runs, ``fully_shard(tail)`` and the root); one SGD step; then ``model.inp(x)`` called on
+    its own raises inside ``inp``'s forward (caught); ``model.reset_iter_state()``; in the next step the group is SHARDED right
+    after the root's forward, and losses, sharded gradients and the values after the SGD step
+    equal the unsharded model's."""
+    ctx.seed(0)
+    model = TrunkTail().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ctx.impl.ns.fully_shard(model.inp, mesh=ctx.mesh)  # runs first in the root's forward
+    ctx.impl.ns.fully_shard([model.a, model.b], mesh=ctx.mesh)
+    ctx.impl.ns.fully_shard(model.tail, mesh=ctx.mesh)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        x, y = _batch(ctx, step, 7)
+        if step == 1:
+
+            def fail_once(*args, **kwargs):  # inp's body: FSDP's pre-forward ran for it
+                del model.inp.forward  # the class's forward again from now on
+                raise Injected("injected in inp's forward")
+
+            model.inp.forward = fail_once
+            try:
+                model.inp(torch.zeros(B, 5, device=ctx.device))
+            except Injected:
+                pass
+            else:
+                raise AssertionError(f"{ctx.where()} setup: the injected error did not propagate")
+            model.reset_iter_state()
+        out = model(x[mine])
+        _assert_group_sharded(ctx, model, f"after the root's forward of step {step}")
+        backward_and_compare(ctx, model, oracle, (out, oracle(x), y, mine), (opt, oopt), step)
