@@ -1,5 +1,5 @@
-"""Area "training": FSDP2 runtime edges of the communication setters and the iteration state
-(P75, P76).
+"""Areas "training" and "states": FSDP2 runtime edges of the communication setters and the
+iteration state (P75, P76, P77).
 
 [Note: one allocation strategy per unit]
 A unit's all-gather buffers come from one place: the default allocator, the process group's own
@@ -19,6 +19,11 @@ that unit's post-forward (``inp``, run before the group: too early to complete i
 claim with the rest: the next root forward then completes a group ``fully_shard([a, b])`` whose
 ``b`` it skipped, so the group is SHARDED right after that forward, and training equals the
 unsharded model's (the oracle of ``grouped.py``).
+
+[Note: the all-reduce hook's stream]
+On a 1-D mesh there is no all-reduce; ``set_all_reduce_hook(hook, stream=s)`` runs the hook after
+the reduce-scatter, inside ``s`` (the device module's stream context, which exists on CPU too:
+``torch.cpu.current_stream()`` is ``s`` while it runs).
 """
 
 from __future__ import annotations
@@ -28,7 +33,20 @@ import copy
 import torch
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import MLP, PLANS, B, backward_and_compare
+from conformance.checks._shared.oracle import (
+    FP32,
+    MLP,
+    PLANS,
+    B,
+    assert_close,
+    backward_and_compare,
+    make_batch,
+    make_optimizer,
+    per_sample_loss,
+    shard_dim,
+    step_and_compare,
+)
+from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.grouped import _assert_group_sharded, _batch
 from conformance.checks.fully_shard.grouped_edges import TrunkTail
 from conformance.registry import check
@@ -123,3 +141,52 @@ def reset_after_failed_standalone_call(ctx):
         out = model(x[mine])
         _assert_group_sharded(ctx, model, f"after the root's forward of step {step}")
         backward_and_compare(ctx, model, oracle, (out, oracle(x), y, mine), (opt, oopt), step)
+
+
+@check(
+    area="training",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING, base.HSDP_ALL_REDUCE},
+    world_sizes=(1, 2),
+)
+def all_reduce_hook_stream_1d(ctx):
+    """P77: on a 1-D mesh, ``model.out.set_all_reduce_hook(hook, stream=s)`` with ``s`` a fresh
+    stream of the device's module (``torch.get_device_module(device).Stream()``): in each of two
+    backwards ``hook`` runs once, with ``s`` the current stream while it runs, and the current
+    stream is the previous one again after the backward; gradients and values after each SGD
+    step equal the unsharded model's (the hook only observes)."""
+    ctx.seed(0)
+    oracle = MLP().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLANS["nested"])
+    device_module = torch.get_device_module(ctx.device)
+    stream = device_module.Stream()
+    seen = []
+    model.out.set_all_reduce_hook(
+        lambda reduced: seen.append(device_module.current_stream() == stream), stream=stream
+    )
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        seen.clear()
+        before = device_module.current_stream()
+        x, y = make_batch("mlp", ctx.world_size, step, ctx.device)
+        per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+        per_sample_loss("mlp", oracle(x), y).mean().backward()
+        assert seen == [True], (
+            f"{ctx.where()} step {step}: the all-reduce hook ran {len(seen)} time(s), on the "
+            f"given stream: {seen}; expected once, on the stream passed to set_all_reduce_hook"
+        )
+        assert device_module.current_stream() == before, (
+            f"{ctx.where()} step {step}: the current stream changed across the backward"
+        )
+        for name, param in model.named_parameters():
+            expected = chunk_of(
+                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
+            )
+            assert_close(
+                ctx,
+                f"step {step}: {name} sharded gradient",
+                param.grad.to_local(),
+                expected,
+                FP32["grad"],
+            )
+        step_and_compare(ctx, model, oracle, opts, step)
