@@ -1,5 +1,5 @@
 """Areas "training" and "states": FSDP2 runtime edges of the communication setters and the
-iteration state (P75, P76, P77).
+iteration state (P75, P76, P77, P78).
 
 [Note: one allocation strategy per unit]
 A unit's all-gather buffers come from one place: the default allocator, the process group's own
@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.oracle import (
@@ -190,3 +191,49 @@ def all_reduce_hook_stream_1d(ctx):
                 FP32["grad"],
             )
         step_and_compare(ctx, model, oracle, opts, step)
+
+
+class TrunkHeads(nn.Module):
+    """Trunk ``inp`` Linear(5, 7) -> tanh; heads ``a`` and ``b`` (Linear(7, 3) each) sharded as
+    one group and called outside the root's forward (a chunked loss calling one head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.a = nn.Linear(7, 3)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.inp(x))
+
+
+@check(
+    area="states",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
+    world_sizes=(1, 2),
+)
+def partial_group_backward(ctx):
+    """P78: ``fully_shard([m.a, m.b])`` and the root over ``TrunkHeads``; each step computes
+    ``m.a(m(x))`` (the group's forward runs ``a`` only, outside the root's forward): over two SGD
+    steps the loss, the sharded gradients (chunks of the unsharded model's; ``b``'s None) and the
+    values after each step equal the unsharded model's, and after each backward every parameter
+    is SHARDED (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    ctx.seed(0)
+    model = TrunkHeads().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ctx.impl.ns.fully_shard([model.a, model.b], mesh=ctx.mesh)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        x, y = _batch(ctx, step, 3)
+        out, oout = model.a(model(x[mine])), oracle.a(oracle(x))
+        backward_and_compare(ctx, model, oracle, (out, oout, y, mine), (opt, oopt), step)
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor), (
+                f"{ctx.where()} step {step}: {name} is registered as {type(param).__name__} after "
+                "the step; the group should be SHARDED after its backward"
+            )
