@@ -237,3 +237,42 @@ def partial_group_backward(ctx):
                 f"{ctx.where()} step {step}: {name} is registered as {type(param).__name__} after "
                 "the step; the group should be SHARDED after its backward"
             )
+
+
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.HSDP},
+    world_sizes=(4,),  # shard size 2 (at ws 2 the shard size is 1, see the report in the commit)
+)
+def hsdp_extension_shard_mesh(ctx):
+    """P16, P8: on an HSDP mesh ``("replicate", "shard")`` of shape (2, ws/2), a parameter whose
+    tensor subclass implements ``fsdp_pre_all_gather`` (``Pair5``) gets the shard sub-mesh in
+    that hook: 1-D, named ``("shard",)``, of size ws/2 (2 at ws 4); the forward computes with the original
+    values."""
+    from conformance.checks._shared.models import distinct_values
+    from conformance.checks.fully_shard import _subclasses
+    from conformance.checks.fully_shard.extensions import PairLinear
+
+    shard = ctx.world_size // 2
+    mesh = ctx.make_mesh((2, shard), ("replicate", "shard"))
+    rows = 2 * ctx.world_size
+    module = PairLinear(rows, _subclasses.Pair5).to(ctx.device)
+    original = distinct_values((rows, 3), 0) / 100.0
+    ctx.impl.ns.fully_shard(module, mesh=mesh)
+    x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
+    _subclasses.LOG.clear()
+    try:
+        with torch.no_grad():
+            out = module(x).cpu()
+        meshes = [e["mesh"] for e in _subclasses.LOG if e["hook"].startswith("pre")]
+    finally:
+        _subclasses.LOG.clear()
+    assert len(meshes) == 1, f"{ctx.where()} pre hook ran {len(meshes)} time(s), expected once"
+    got = (meshes[0].ndim, tuple(meshes[0].mesh_dim_names or ()), meshes[0].size())
+    assert got == (1, ("shard",), shard), (
+        f"{ctx.where()} pre hook got a mesh (ndim, names, size) {got}; expected the shard "
+        f"sub-mesh (1, ('shard',), {shard})"
+    )
+    assert torch.equal(out, x.cpu() @ original.T), (
+        f"{ctx.where()} forward output differs from the original weight's"
+    )
