@@ -1,5 +1,5 @@
 """Areas "training" and "states": FSDP2 runtime edges of the communication setters and the
-iteration state (P75, P76, P77, P78).
+iteration state (P75, P76, P77, P78), and the mesh an HSDP extension is handed (P16).
 
 [Note: one allocation strategy per unit]
 A unit's all-gather buffers come from one place: the default allocator, the process group's own
@@ -245,7 +245,7 @@ def partial_group_backward(ctx):
     world_sizes=(4,),  # shard size 2 (at ws 2 the shard size is 1, see the report in the commit)
 )
 def hsdp_extension_shard_mesh(ctx):
-    """P16, P8: on an HSDP mesh ``("replicate", "shard")`` of shape (2, ws/2), a parameter whose
+    """P16, P14: on an HSDP mesh ``("replicate", "shard")`` of shape (2, ws/2), a parameter whose
     tensor subclass implements ``fsdp_pre_all_gather`` (``Pair5``) gets the shard sub-mesh in
     that hook: 1-D, named ``("shard",)``, of size ws/2 (2 at ws 4); the forward computes with the original
     values."""
