@@ -1,5 +1,6 @@
-"""Areas "training" and "states": FSDP2 runtime edges of the communication setters and the
-iteration state (P75, P76, P77, P78), and the mesh an HSDP extension is handed (P16).
+"""Areas "training", "states" and "extensions": FSDP2 runtime edges of the communication
+setters and the iteration state (P75, P76, P77, P78), and the mesh an HSDP extension is handed
+(P16).
 
 [Note: one allocation strategy per unit]
 A unit's all-gather buffers come from one place: the default allocator, the process group's own
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.models import distinct_values
 from conformance.checks._shared.oracle import (
     FP32,
     MLP,
@@ -48,6 +50,8 @@ from conformance.checks._shared.oracle import (
     step_and_compare,
 )
 from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard import _subclasses
+from conformance.checks.fully_shard.extensions import PairLinear
 from conformance.checks.fully_shard.grouped import _assert_group_sharded, _batch
 from conformance.checks.fully_shard.grouped_edges import TrunkTail
 from conformance.registry import check
@@ -249,10 +253,6 @@ def hsdp_extension_shard_mesh(ctx):
     tensor subclass implements ``fsdp_pre_all_gather`` (``Pair5``) gets the shard sub-mesh in
     that hook: 1-D, named ``("shard",)``, of size ws/2 (2 at ws 4); the forward computes with the original
     values."""
-    from conformance.checks._shared.models import distinct_values
-    from conformance.checks.fully_shard import _subclasses
-    from conformance.checks.fully_shard.extensions import PairLinear
-
     shard = ctx.world_size // 2
     mesh = ctx.make_mesh((2, shard), ("replicate", "shard"))
     rows = 2 * ctx.world_size
