@@ -246,15 +246,16 @@ def partial_group_backward(ctx):
 @check(
     area="extensions",
     requires={base.EXTENSIONS, base.FSDP2_API, base.HSDP},
-    world_sizes=(4,),  # shard size 2 (at ws 2 the shard size is 1, see the report in the commit)
+    world_sizes=(2, 4),
 )
 def hsdp_extension_shard_mesh(ctx):
-    """P16, P14: on an HSDP mesh ``("replicate", "shard")`` of shape (2, ws/2), a parameter whose
+    """P16, P14: on an HSDP mesh ``("replicate", "shard")`` of shape (ws/2, 2), a parameter whose
     tensor subclass implements ``fsdp_pre_all_gather`` (``Pair5``) gets the shard sub-mesh in
-    that hook: 1-D, named ``("shard",)``, of size ws/2 (2 at ws 4); the forward computes with the original
+    that hook: 1-D, named ``("shard",)``, of size 2 (a shard size of 1 takes upstream's
+    no-all-gather path, which hands a two-input extension one output: left out); the forward computes with the original
     values."""
-    shard = ctx.world_size // 2
-    mesh = ctx.make_mesh((2, shard), ("replicate", "shard"))
+    shard = 2
+    mesh = ctx.make_mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
     rows = 2 * ctx.world_size
     module = PairLinear(rows, _subclasses.Pair5).to(ctx.device)
     original = distinct_values((rows, 3), 0) / 100.0
