@@ -83,6 +83,7 @@ FSDP2_FUNCTORCH = "fsdp2-functorch"  # torch.func transforms (jvp) through a ful
 FSDP1_CPU_OFFLOAD = "fsdp1-cpu-offload"  # FSDP1 CPUOffload(offload_params=True) at construction
 FSDP1_FAKE_COLLECTIVES = "fsdp1-fake-collectives"  # env FSDP_USE_FAKE_ALL_GATHER / _REDUCE
 FSDP2_PUBLIC_MODULE = "fsdp2-public-module"  # public FSDP2 names report ns as __module__
+FSDP2_SYMM_MEM = "fsdp2-symm-mem"  # FSDPModule.set_symm_mem_for_comm
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -157,6 +158,9 @@ PROMISES = {
     "every rank",
     FSDP2_FORWARD_METHOD: "`ns.register_fsdp_forward_method(module, name)`: calling "
     "`module.<name>` unshards the unit around it as forward does (gradients reduced likewise)",
+    FSDP2_SYMM_MEM: "`FSDPModule.set_symm_mem_for_comm()` (symmetric-memory staging buffers) "
+    "refuses a unit whose all-gather already uses another allocation strategy (AssertionError "
+    "naming that comm's class)",
     FSDP2_CUSTOM_COMMS: "`FSDPModule.set_custom_all_gather(comm)` / `set_custom_reduce_scatter("
     "comm)`: the unit's all-gathers (reduce-scatters) call `comm(output, input, group, [op,] "
     "async_op=)` on buffers from `comm.allocate(size, dtype=, device=)`",

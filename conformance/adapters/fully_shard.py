@@ -41,6 +41,7 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_PER_PARAM_MESH,
             base.FSDP2_FUNCTORCH,
             base.FSDP2_PUBLIC_MODULE,
+            base.FSDP2_SYMM_MEM,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -52,6 +52,7 @@ def _reference_fsdp2():
         base.FSDP2_PER_PARAM_MESH,
         base.FSDP2_FUNCTORCH,
         base.FSDP2_PUBLIC_MODULE,
+        base.FSDP2_SYMM_MEM,
     }
     return impl
 

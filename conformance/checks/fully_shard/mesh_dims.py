@@ -1,11 +1,11 @@
 """Area "training": ``fully_shard(dp_mesh_dims=DataParallelMeshDims(...))`` on a full SPMD mesh
-(P40, P41).
+(P40, P41, P79).
 
 [Note: the SPMD mesh]
 With ``dp_mesh_dims`` the ``mesh`` passed to ``fully_shard`` is the whole SPMD mesh and every
 parameter is already a DTensor on it, ``Replicate()`` on each data-parallel dim; the
 ``DataParallelMeshDims`` names which dims are data parallel: ``shard=`` the dim FSDP shards on,
-``replicate=`` the dim it replicates over (HSDP). Two cases, each on a (2, ws/2) mesh:
+``replicate=`` the dim it replicates over (HSDP). Three cases, each on a (2, ws/2) mesh:
 
 * ``shard="dp"`` on ``("dp", "tp")``: the parameter becomes ``(Shard(0), Replicate())``, rank r
   holding chunk ``dp(r)`` of 2 (``dp(r) = r // (ws/2)``); the ranks of one ``dp`` index form one
@@ -14,6 +14,9 @@ parameter is already a DTensor on it, ``Replicate()`` on each data-parallel dim;
 * ``shard="dp", replicate="rep"`` on ``("rep", "dp")``: ``(Replicate(), Shard(0))``, chunk
   ``r % (ws/2)`` of ``ws/2``; every rank feeds its own samples and the gradient is averaged over
   all ws ranks (HSDP, P16).
+* ``replicate="dp"`` alone on ``("dp", "tp")`` (P79): nothing is sharded, ``(Replicate(),
+  Replicate())``, the local tensor the whole parameter (unsharding copies it, no all-gather);
+  the replicas are the dp indices as in the first case.
 
 The model wraps its input and output so that the forward computes on DTensors of the mesh (inputs
 ``Replicate()`` everywhere, as ``distribute_module`` would hand them), and the oracle is the plain
@@ -69,6 +72,8 @@ CASES = {
     # name: (mesh dim names, DataParallelMeshDims kwargs)
     "shard": (("dp", "tp"), {"shard": "dp"}),
     "shard-replicate": (("rep", "dp"), {"shard": "dp", "replicate": "rep"}),
+    # P79: no shard dim, replicate only (DDP over "dp")
+    "replicate": (("dp", "tp"), {"replicate": "dp"}),
 }
 
 
@@ -77,7 +82,8 @@ CASES = {
 )
 def dp_mesh_dims_training(ctx, name):
     """P40 (``shard="dp"`` on ``("dp", "tp")``), P41 (``shard="dp", replicate="rep"`` on
-    ``("rep", "dp")``): after ``fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=...)`` on ``inp``,
+    ``("rep", "dp")``), P79 (``replicate="dp"`` alone on ``("dp", "tp")``: every dim
+    ``Replicate()``, the local tensor the whole parameter): after ``fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=...)`` on ``inp``,
     ``out`` and the root, every parameter is a DTensor on the full mesh with ``Shard(0)`` on the
     shard dim and ``Replicate()`` elsewhere, its local tensor the rank's chunk over the shard dim;
     two SGD steps give sharded gradients equal to the oracle's chunks of the gradient averaged
@@ -89,8 +95,11 @@ def dp_mesh_dims_training(ctx, name):
     ws, rank = ctx.world_size, ctx.rank
     half = ws // 2
     mesh = ctx.make_mesh((2, half), names)
-    shard_axis = names.index("dp")
-    if name == "shard":
+    shard_axis = names.index("dp") if "shard" in dims else None
+    if name == "replicate":
+        parts, index = 1, 0  # nothing sharded: the local tensor is the whole parameter
+        replica, replicas = rank // half, 2
+    elif name == "shard":
         parts, index = 2, rank // half
         replica, replicas = rank // half, 2  # one replica per dp index
     else:

@@ -16,6 +16,7 @@ global batch, losses are means).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -102,30 +103,39 @@ class Box(NamedTuple):
     inner: Any
 
 
-class Nested(nn.Module):
-    """Linear(5, 3) whose output is wrapped in ``depth`` containers (lists or ``Box``es)."""
+@dataclasses.dataclass
+class Cell:
+    """P74: a dataclass level, one container deep like a list or a namedtuple."""
 
-    def __init__(self, depth: int, box: bool):
+    inner: Any
+
+
+class Nested(nn.Module):
+    """Linear(5, 3) whose output is wrapped in ``depth`` containers of one ``kind``: lists,
+    ``Box`` namedtuples or ``Cell`` dataclasses."""
+
+    def __init__(self, depth: int, kind: str):
         super().__init__()
         self.lin = nn.Linear(5, 3)
-        self.depth, self.box = depth, box
+        self.depth, self.kind = depth, kind
 
     def forward(self, x):
         out = self.lin(x)
+        wrap = {"list": lambda o: [o], "namedtuple": Box, "dataclass": Cell}[self.kind]
         for _ in range(self.depth):
-            out = Box(out) if self.box else [out]
+            out = wrap(out)
         return out
 
 
 def unwrap(out, depth: int):
     for _ in range(depth):
-        out = out[0]
+        out = out.inner if isinstance(out, Cell) else out[0]
     return out
 
 
 DEPTH_CASES = {
-    f"{kind}-{depth}": {"depth": depth, "box": kind == "namedtuple"}
-    for kind in ("list", "namedtuple")
+    f"{kind}-{depth}": {"depth": depth, "kind": kind}
+    for kind in ("list", "namedtuple", "dataclass")
     for depth in (MAX_DEPTH - 1, MAX_DEPTH)
 }
 
@@ -135,12 +145,13 @@ DEPTH_CASES = {
     requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING},
     cases=DEPTH_CASES,
 )
-def deeply_nested_output(ctx, depth, box):
-    """P25: a unit whose forward (grad enabled) returns its output tensor inside ``depth`` nested
-    lists or namedtuples: at depth 127 it trains one SGD step like the unsharded model; at depth
-    128 (the max depth FSDP walks) the forward raises RuntimeError naming the max depth (128)."""
+def deeply_nested_output(ctx, depth, kind):
+    """P25, P74: a unit whose forward (grad enabled) returns its output tensor inside ``depth``
+    nested lists, namedtuples or dataclasses (each level counted once, a dataclass like any other
+    container): at depth 127 it trains one SGD step like the unsharded model; at depth 128 (the
+    max depth FSDP walks) the forward raises RuntimeError naming the max depth (128)."""
     ctx.seed(0)
-    model = Nested(depth, box).to(ctx.device)
+    model = Nested(depth, kind).to(ctx.device)
     oracle = copy.deepcopy(model)
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
