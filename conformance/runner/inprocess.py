@@ -138,7 +138,7 @@ class InProcessGroup:
     def start(self) -> None:
         pass  # the process group was joined in __init__
 
-    def run(self, task: Task) -> list[RankResult]:
+    def run(self, task: Task, settled=None) -> list[RankResult]:  # settled: unused here
         self._seq += 1
         budget = task.timeout + self.grace  # when this rank's watchdog fires
         wait = budget + LOSS_MARGIN

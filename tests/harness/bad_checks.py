@@ -25,6 +25,14 @@ def rank1_raises(ctx):
     return "fine"
 
 
+def rank1_raises_rank0_waits(ctx):
+    """Rank 1 raises; rank 0 then waits in a collective rank 1 never joins."""
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    dist.all_reduce(torch.ones(1))
+    return "never"
+
+
 def rank1_exits(ctx):
     if ctx.rank == 1:
         os._exit(7)

@@ -71,6 +71,20 @@ def test_rank_raising_reports_its_traceback(group):
     assert "ValueError: rank 1 refuses" in results[1].detail
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_settled_verdict_cuts_the_grace_short(group, fits):
+    """[Note: a settled verdict]: once a failure fits the case's expectation the waiting rank
+    gets SETTLED_GRACE, not --grace; a failure that does not fit keeps the full grace."""
+    from conformance.runner.pool import SETTLED_GRACE
+
+    task = Task(f"{BAD}:rank1_raises_rank0_waits", None, {}, timeout=30)
+    results = group.run(task, settled=lambda r: fits and "ValueError" in r.detail)
+    assert results[1].status == protocol.ERROR and "rank 1 refuses" in results[1].detail
+    assert results[0].status == protocol.TIMEOUT
+    given = SETTLED_GRACE if fits else group.grace
+    assert f"still running {given:g} s after another rank failed" in results[0].detail
+
+
 def test_rank_dying_reports_exit_code_and_group_restarts(group):
     results = group.run(Task(f"{BAD}:rank1_exits", None, {}, timeout=30))
     assert results[1].status == protocol.DIED
