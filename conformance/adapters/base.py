@@ -84,6 +84,10 @@ FSDP1_CPU_OFFLOAD = "fsdp1-cpu-offload"  # FSDP1 CPUOffload(offload_params=True)
 FSDP1_FAKE_COLLECTIVES = "fsdp1-fake-collectives"  # env FSDP_USE_FAKE_ALL_GATHER / _REDUCE
 FSDP2_PUBLIC_MODULE = "fsdp2-public-module"  # public FSDP2 names report ns as __module__
 FSDP2_SYMM_MEM = "fsdp2-symm-mem"  # FSDPModule.set_symm_mem_for_comm
+FSDP2_NEW_INIT_SWITCH = (
+    "fsdp2-new-init-switch"  # ns._fully_shard._fully_shard.disable_fsdp_module_new_init
+)
+FSDP1_TENSOR_PARALLEL = "fsdp1-tensor-parallel"  # FSDP1 over DTensor (tensor-parallel) parameters
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -158,6 +162,12 @@ PROMISES = {
     "every rank",
     FSDP2_FORWARD_METHOD: "`ns.register_fsdp_forward_method(module, name)`: calling "
     "`module.<name>` unshards the unit around it as forward does (gradients reduced likewise)",
+    FSDP2_NEW_INIT_SWITCH: "`ns._fully_shard._fully_shard.disable_fsdp_module_new_init()` is a "
+    "context manager in which calling an FSDP class (`type(fsdp_module)(...)`) returns the "
+    "original class's object without running its `__init__`; leaving it restores the setting",
+    FSDP1_TENSOR_PARALLEL: "FSDP1 (`use_orig_params=True`, `device_mesh=` the data-parallel "
+    "sub-mesh) over a module whose parameters are already DTensors on a tensor-parallel mesh: "
+    "trains, saves and loads its state dicts and optimizer state dicts as upstream's FSDP1 + TP",
     FSDP2_SYMM_MEM: "`FSDPModule.set_symm_mem_for_comm()` (symmetric-memory staging buffers) "
     "refuses a unit whose all-gather already uses another allocation strategy (AssertionError "
     "naming that comm's class)",

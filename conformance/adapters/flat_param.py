@@ -53,6 +53,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_FULL_PREC_IN_EVAL,
             base.FSDP1_CPU_OFFLOAD,
             base.FSDP1_FAKE_COLLECTIVES,
+            base.FSDP1_TENSOR_PARALLEL,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -42,6 +42,7 @@ class FullyShardAdapter(NamespaceImplementation):
             base.FSDP2_FUNCTORCH,
             base.FSDP2_PUBLIC_MODULE,
             base.FSDP2_SYMM_MEM,
+            base.FSDP2_NEW_INIT_SWITCH,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

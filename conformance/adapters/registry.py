@@ -53,6 +53,7 @@ def _reference_fsdp2():
         base.FSDP2_FUNCTORCH,
         base.FSDP2_PUBLIC_MODULE,
         base.FSDP2_SYMM_MEM,
+        base.FSDP2_NEW_INIT_SWITCH,
     }
     return impl
 
@@ -77,6 +78,7 @@ def _reference_fsdp1():
         base.FSDP1_FULL_PREC_IN_EVAL,
         base.FSDP1_CPU_OFFLOAD,
         base.FSDP1_FAKE_COLLECTIVES,  # profiling knobs that skip collectives
+        base.FSDP1_TENSOR_PARALLEL,  # FlatParameter over DTensors (FSDP1's DTensor extensions)
     }
     return impl
 

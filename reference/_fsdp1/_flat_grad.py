@@ -14,6 +14,14 @@ Rules:
                   is empty), or, inside ``summon_full_params(with_grads=True)``, the full-shape
                   view into the gathered gradient. Clearing every original ``.grad``
                   (``zero_grad``) drops the flat gradient too.
+  cleared grads   an original ``.grad`` the user set to None (not all of them) is a zero part
+                  of the flat gradient once the flat gradient is next used (forward, summon);
+                  that parameter's sharded view stays None until a backward gives it a
+                  gradient again: leaving ``summon_full_params(with_grads=True)``, which shows
+                  it as full zeros, gives it back None.
+  no_sync grads   a backward inside ``no_sync()`` leaves each rank its own unreduced,
+                  unsharded gradient, which is no shard: ``summon_full_params(with_grads=True)``
+                  refuses it (AssertionError, before any collective) until a synced backward.
   optimizer in    with ``use_orig_params=True``, an original parameter carrying optimizers from
   backward        ``torch.distributed.optim._apply_optimizer_in_backward`` (its
                   ``_in_backward_optimizers``) has them stepped on its sharded gradient as soon as
@@ -98,20 +106,16 @@ class FlatGradHandling:
             grad[:n].copy_(padded[self._start : self._end])
 
     def _use_sharded_grad_views(self) -> None:
+        """Each original ``.grad`` becomes its part of this rank's flat gradient (None without
+        elements here, or when cleared by the user since the last backward)."""
         self._summoned_grad = None
         grad = self.flat_param.grad
-        if not self.uses_sharded_strategy and grad is not None:
-            for p, g in zip(self._orig_params, self.unflatten(grad)):
-                _set_grad(p, g)
-            return
-        for i, p in enumerate(self._orig_params):
-            info = self.flat_param._shard_param_infos[i]
-            if grad is None or not info.in_shard:
+        parts = [None] * len(self._orig_params) if grad is None else self._grad_parts(grad)
+        for i, (p, part) in enumerate(zip(self._orig_params, parts)):
+            if part is None or i in self._cleared_grads:
                 p.grad = None
             else:
-                _set_grad(
-                    p, grad[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-                )
+                _set_grad(p, part)
 
     def _step_optimizers_in_backward(self) -> None:
         """See "optimizer in backward" above: runs after :meth:`_use_sharded_grad_views`; a
@@ -167,6 +171,7 @@ class FlatGradHandling:
         cannot be copied: RuntimeError "Cannot writeback when the gradient shape changes"."""
         if not self._use_orig_params:
             return
+        self._cleared_grads = {i for i, p in enumerate(self._orig_params) if p.grad is None}
         if all(p.grad is None for p in self._orig_params):
             self.flat_param.grad = None
             return

@@ -151,6 +151,9 @@ class FlatParamHandle(FlatGradHandling):
         # unsharded, compute dtype) until the next synced backward reduces the sum.
         self._sync_gradients = True
         self._unsynced_grad: torch.Tensor | None = None
+        # use_orig_params: original parameters whose .grad the user set to None since the last
+        # backward (see "cleared grads" in _flat_grad).
+        self._cleared_grads: set[int] = set()
         self._init_flat_param(params, fully_sharded_module)
 
     # -- construction -----------------------------------------------------------------------------
@@ -423,6 +426,7 @@ class FlatParamHandle(FlatGradHandling):
             self.reshard()
         self._grad_to_optimizer_precision()
         if self._use_orig_params:
+            self._cleared_grads = set()  # every parameter has a gradient again
             self._use_sharded_grad_views()
             self._step_optimizers_in_backward()
 

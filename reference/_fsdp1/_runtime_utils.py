@@ -261,7 +261,8 @@ def _unshard_params(
 
     Refused before anything changes (upstream's AssertionError): a module inside forward/backward,
     or one already inside ``summon_full_params`` (nesting works only over disjoint modules, e.g.
-    ``recurse=False`` on a parent, then an inner unit)."""
+    ``recurse=False`` on a parent, then an inner unit), and ``with_grads`` while a gradient
+    accumulated under ``no_sync()`` waits for its reduction (it is no shard to gather)."""
     own = [module] if isinstance(module, _FSDPState) else []
     states = _fsdp_modules(module) if recurse else own
     for state in states:
@@ -271,6 +272,12 @@ def _unshard_params(
         if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(
                 "Cannot manually unshard parameters when already unsharding parameters"
+            )
+        if with_grads and state._handle and state._handle._unsynced_grad is not None:
+            raise AssertionError(
+                "summon_full_params(with_grads=True) cannot show gradients accumulated under "
+                "no_sync(): they are unsharded and unreduced, not this rank's shard; run a "
+                "backward outside no_sync() first"
             )
     for state in states:
         _lazy_init(state)
