@@ -82,12 +82,9 @@ class ModuleWrapPolicy(_Policy):
         self._module_classes = set(module_classes)  # deduplicated; never changed (repr shows it)
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
-        classes = tuple(self._module_classes)
-        return {
-            module: copy.copy(root_kwargs)
-            for module in root_module.modules()
-            if module not in ignored_modules and isinstance(module, classes)
-        }
+        kinds = tuple(self._module_classes)
+        picked = (m for m in root_module.modules() if isinstance(m, kinds))
+        return {m: copy.copy(root_kwargs) for m in picked if m not in ignored_modules}
 
     def __call__(self, module, recurse, *args, **kwargs):
         return _wrap_module_cls_individually(module, self._module_classes, recurse)

@@ -137,7 +137,8 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
 
     Rules: children in registration order; a module reachable along several paths is visited once
     (at its first path); if ``fn`` returns a module, it replaces the visited one under the same
-    attribute name of its parent (so returning a module for the root is an error); ``fn`` must
+    attribute name of its parent (so returning a module for the root is an error, and so is one
+    for a child registered under the empty name, which no attribute can reach); ``fn`` must
     return ``None`` or an ``nn.Module`` (``AssertionError`` otherwise).
     """
     visited = {root_module}
@@ -154,6 +155,8 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
                     "Non-root modules should have their parent module set but got "
                     f"{parent} for {module}"
                 )
+            if not name:  # a child registered under "": no attribute of its parent reaches it
+                raise AssertionError(f"cannot replace {module}: it has an empty module name")
             if not isinstance(replacement, nn.Module):
                 raise AssertionError(  # noqa: TRY004 (upstream's exception type)
                     f"fn should return None or an nn.Module but got {replacement}"

@@ -290,6 +290,9 @@ def _drop_param(ctx, sd):
 
 
 # case -> (kind, corruption, patterns every message must match, case-insensitive)
+# R74: for these cases, a unit holding this parameter (one loaded after the offending unit in
+# module order) must keep the fresh model's values: the refusal stops the load there.
+UNTOUCHED_AFTER_REFUSAL = {"local-no-flat-param": "scale.weight"}
 LOAD_ERRORS = {
     "local-no-flat-param": ("local", _drop_flat_param, [r"flat_?param"]),
     "local-plain-tensors": ("local", _plain_flat_params, [r"ShardedTensor"]),
@@ -307,12 +310,17 @@ LOAD_ERRORS = {
 def load_errors(ctx, case):
     """S5/S7: loading a LOCAL dict without a unit's ``_flat_param`` or with plain tensors, or a
     SHARDED dict with a mis-shaped or (strict) missing parameter raises on every rank, with a
-    message naming the problem (the FlatParameter / ShardedTensor / the key and both shapes)."""
+    message naming the problem (the FlatParameter / ShardedTensor / the key and both shapes).
+    R74: a LOCAL dict without ``inner._flat_param`` is refused no later than when the load
+    reaches ``inner``: the ``scale`` unit, loaded after it, keeps the fresh model's values."""
     kind, corrupt, patterns = LOAD_ERRORS[case]
     require_kind(ctx, kind)
     sd = dict(ctx.impl.state_dict(build(ctx), kind))
     corrupt(ctx, sd)
-    exc = _raises_everywhere(ctx, lambda: ctx.impl.load_state_dict(build(ctx, salt=1), sd, kind))
+    dst = build(ctx, salt=1)
+    watched = UNTOUCHED_AFTER_REFUSAL.get(case)
+    before = [flat.clone() for fqns, flat in ctx.impl.flat_shards(dst) if watched in fqns]
+    exc = _raises_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
     flags = _all_ranks(ctx, exc is not None)
     assert all(flags), f"{ctx.where()} {case}: the load raised on ranks {flags}, expected all"
     missing = [p for p in patterns if not re.search(p, str(exc), re.IGNORECASE)]
@@ -320,6 +328,15 @@ def load_errors(ctx, case):
         f"{ctx.where()} {case}: message {type(exc).__name__}({str(exc)!r}) does not say "
         f"{missing} (it should name what is wrong)"
     )
+    if watched is not None:
+        after = [flat for fqns, flat in ctx.impl.flat_shards(dst) if watched in fqns]
+        kept = _all_ranks(ctx, len(after) == len(before) == 1 and torch.equal(after[0], before[0]))
+        assert all(kept), (
+            f"{ctx.where()} {case}: the unit holding {watched} (loaded after the unit whose "
+            f"flat parameter is missing) changed on ranks {[r for r, k in enumerate(kept) if not k]} although the "
+            f"load was refused with {type(exc).__name__}({str(exc)!r}): the refusal must stop "
+            "the load at the offending unit (R74)"
+        )
 
 
 # ------------------------------------------------------------------------ zero-numel parameter
