@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference._fsdp1._common_utils import _fsdp_modules
+from reference._fsdp1._common_utils import _fsdp_modules, _warn
 
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
@@ -78,10 +77,9 @@ def _clip_grad_norm(root, max_norm: float, norm_type: float) -> torch.Tensor:
     for g in grads:
         g.mul_(factor.to(g.device, g.dtype))
     if not grads:
-        warnings.warn(
+        _warn(
             f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning "
-            f"the total norm in the default dtype {total.dtype}",
-            stacklevel=3,
+            f"the total norm in the default dtype {total.dtype}"
         )
         return total
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))

@@ -7,13 +7,12 @@ Vocabulary (managed parameters, owned buffers, root): see ``[Note: the FSDP1 mod
 from __future__ import annotations
 
 import itertools
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from reference._fsdp1._common_utils import _FSDPState, clean_tensor_name
+from reference._fsdp1._common_utils import _FSDPState, _warn, clean_tensor_name
 from reference._fsdp1._flat_param import FlatParameter
 from reference.api import ShardingStrategy
 
@@ -26,18 +25,16 @@ def _clamp_strategy(strategy: ShardingStrategy | None, world_size: int) -> Shard
         raise NotImplementedError(f"The reference FSDP does not implement {strategy}")
     if world_size == 1:
         if strategy != ShardingStrategy.NO_SHARD:
-            warnings.warn(
+            _warn(
                 "FSDP is switching to use `NO_SHARD` instead of "
-                f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1.",
-                stacklevel=3,
+                f"{strategy or ShardingStrategy.FULL_SHARD} since the world size is 1."
             )
         return ShardingStrategy.NO_SHARD
     if strategy == ShardingStrategy.NO_SHARD:
-        warnings.warn(
+        _warn(
             "The `NO_SHARD` sharding strategy is deprecated. If having issues, "
             "please use `DistributedDataParallel` instead.",
             FutureWarning,
-            stacklevel=3,
         )
     return strategy or ShardingStrategy.FULL_SHARD
 

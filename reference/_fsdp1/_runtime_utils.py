@@ -29,7 +29,6 @@ forward to backward. Left out: prefetching and side streams (overlap only).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from enum import Enum, auto
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState
+from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState, _warn
 from reference._fsdp1._flat_param import FLAT_PARAM
 
 # FSDP1 forwards now running (any tree): while > 0, a parent may read a child's parameter.
@@ -208,11 +207,10 @@ def _unshard_fsdp_state_params(
         yield
         return
     if offload_to_cpu and not rank0_only:
-        warnings.warn(
+        _warn(
             "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
             "being copied to CPU memory by every rank, which risks CPU OOM; prefer "
-            "offload_to_cpu=True with rank0_only=True.",
-            stacklevel=4,
+            "offload_to_cpu=True with rank0_only=True."
         )
     if state.training_state != TrainingState.IDLE:
         raise RuntimeError(

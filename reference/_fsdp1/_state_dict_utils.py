@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +45,7 @@ from torch.distributed._shard.sharded_tensor import (
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
 from reference._fsdp1._collectives import all_gather_single
-from reference._fsdp1._common_utils import FSDP_PREFIX, _FSDPState, clean_tensor_name
+from reference._fsdp1._common_utils import FSDP_PREFIX, _FSDPState, _warn, clean_tensor_name
 from reference._fsdp1._flat_param import FLAT_PARAM
 from reference._fsdp1._load_checks import _validate_load_input
 from reference._fsdp1._runtime_utils import _lazy_init, _unshard_fsdp_state_params
@@ -82,9 +81,8 @@ def _effective_type(state: _FSDPState, load: bool) -> Iterator[None]:
         yield
         return
     sep = "" if load else " "
-    warnings.warn(
-        f"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will{sep}be returned.",
-        stacklevel=4,
+    _warn(
+        f"When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will{sep}be returned."
     )
     saved = state._state_dict_type, state._state_dict_config
     state._state_dict_type, state._state_dict_config = FULL, FullStateDictConfig()
@@ -335,7 +333,7 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
     for fqn, _ in _param_fqns(state):
         key = wrapped_prefix + fqn
         if key not in state_dict:
-            warnings.warn(f"Did not find param with FQN {key}, skipping it.", stacklevel=4)
+            _warn(f"Did not find param with FQN {key}, skipping it.")
             continue
         value = state_dict.pop(key)
         if state._state_dict_config._use_dtensor:

@@ -26,7 +26,6 @@ parameters, HYBRID_SHARD, ``param_init_fn``, prefetching, optimizer-state APIs.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from reference._fsdp1._common_utils import (
     FSDP_WRAPPED_MODULE,
     _fsdp_modules,
     _FSDPState,
+    _warn,
     clean_tensor_name,
 )
 from reference._fsdp1._flat_param import FlatParameter, FlatParamHandle
@@ -419,11 +419,10 @@ class FullyShardedDataParallel(_FSDPState):
         """Set the state-dict type (and config) of every FSDP module under ``module``; return the
         previous settings. A config of the wrong class raises ``RuntimeError`` before any change.
         """
-        warnings.warn(
+        _warn(
             "FSDP.state_dict_type() and FSDP.set_state_dict_type() are deprecated upstream in "
             "favour of torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict.",
             FutureWarning,
-            stacklevel=2,
         )
         config_cls, optim_cls = _CONFIG_TYPES[state_dict_type]
         state_dict_config = state_dict_config if state_dict_config is not None else config_cls()

@@ -22,11 +22,37 @@ Resharding after forward onto a smaller mesh is refused for such parameters, as 
 from __future__ import annotations
 
 import itertools
+import sys
+import traceback
+import warnings
 from enum import Enum, auto
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+# top-level packages whose frames are never "the caller" of a public API
+_INTERNAL = frozenset({"reference", "torch", "contextlib"})
+
+
+def _warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn about how a public API was called, attributed to the caller's call of that API.
+
+    [Note: caller attribution]
+    Rule (X5): a warning about a call records the file and line of the user's call of the public
+    API (for a unit's forward, ``model(x)``), not a line of the implementation. The depth of that
+    call varies (``nn.Module.__call__`` runs the hooks; a root's post-forward finishes the states
+    that did not run), so no fixed ``stacklevel`` fits: the warning points at the first frame,
+    going up, whose module is outside this package, torch and contextlib (the frame that warns
+    when every one is inside).
+    """
+    frames = traceback.walk_stack(sys._getframe(1))  # the function that warns is level 1
+    outside = (n for n, (f, _) in enumerate(frames, 1) if not _internal(f.f_globals))
+    warnings.warn(message, category, stacklevel=next(outside, 1) + 1)  # +1: this helper
+
+
+def _internal(module_globals: dict) -> bool:
+    return module_globals.get("__name__", "").partition(".")[0] in _INTERNAL
 
 
 class FSDPMeshInfo:

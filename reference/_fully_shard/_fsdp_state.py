@@ -19,7 +19,6 @@ post-backward for groups autograd never reached, then returns every state to ``I
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed._composable_state import _get_module_state, _insert_modul
 from torch.distributed.utils import _apply_to_tensors, _to_kwargs
 
 from ._fsdp_api import MixedPrecisionPolicy
-from ._fsdp_common import TrainingState, _cast_fp_tensor
+from ._fsdp_common import TrainingState, _cast_fp_tensor, _warn
 from ._fsdp_param_group import FSDPParamGroup
 from ._grad_tensors import collect_grad_tensors
 
@@ -207,11 +206,9 @@ class FSDPState(_State):
         for t in collect_grad_tensors(output):  # [Note: walking a forward output]
             if t._base is not None:
                 names = ", ".join(type(m).__name__ for m in self._modules)
-                warnings.warn(
+                _warn(
                     f"FSDP2-wrapped module ({names}) returned a view tensor; an in-place op on it "
-                    "would drop the pre-backward hook. Use out-of-place ops or clone() it first.",
-                    UserWarning,
-                    stacklevel=2,
+                    "would drop the pre-backward hook. Use out-of-place ops or clone() it first."
                 )
             t.register_hook(self._pre_backward)
         return output

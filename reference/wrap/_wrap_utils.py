@@ -286,7 +286,7 @@ def _warn_on_overridden_mixed_precision(overridden_module_classes: set[type[nn.M
         "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
         f"module has submodules of type:\n{overridden_module_classes}\n"
         "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled.",
-        stacklevel=3,
+        stacklevel=5,  # X5: the caller of FSDP1() -> _auto_wrap -> _decide_targets -> here
     )
 
 
@@ -362,7 +362,7 @@ def _validate_frozen_params(
         )
         if not use_orig_params:
             raise ValueError(msg)
-        warnings.warn(msg, stacklevel=3)
+        warnings.warn(msg, stacklevel=5)  # as in _warn_on_overridden_mixed_precision
 
 
 def _managed_params(
