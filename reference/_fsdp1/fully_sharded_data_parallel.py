@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from reference._fsdp1._clip_grad_utils import _clip_grad_norm
 from reference._fsdp1._common_utils import (
@@ -225,7 +226,8 @@ class FullyShardedDataParallel(_FSDPState):
         if sync_module_states:
             src = dist.get_global_rank(self.process_group, 0)
             for t in [p.data for p in params] + [o._buffers[n] for _, o, n in self._owned_buffers]:
-                dist.broadcast(t, src=src, group=self.process_group)
+                for part in _plain_parts(t):
+                    dist.broadcast(part, src=src, group=self.process_group)
         self._buffer_name_to_orig_dtype = {
             fqn: owner._buffers[name].dtype for fqn, owner, name in self._owned_buffers
         }
@@ -495,3 +497,13 @@ class FullyShardedDataParallel(_FSDPState):
                     prev.state_dict_config,
                     prev.optim_state_dict_config,
                 )
+
+
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``t`` itself, or a wrapper subclass's inner tensors
+    (``__tensor_flatten__``), so a broadcast reaches every one of them whatever the subclass's
+    dispatch does with a collective."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [part for name in names for part in _plain_parts(getattr(t, name))]
