@@ -101,6 +101,8 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
             f"FSDP forward called in state {state.training_state.name}; forward is only allowed "
             "when no summon_full_params / state_dict unshard is active on this module"
         )
+    if handle._use_orig_params:  # R75: it needs a gradient iff some original parameter does
+        handle.flat_param.requires_grad_(any(p.requires_grad for p in handle._orig_params))
     handle.prepare_orig_grads_for_forward()
     handle.writeback_replaced_data()
     padded = handle.unshard_for_compute()
