@@ -26,20 +26,11 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks.fsdp1.flat_param_gaps import _kwargs, _x
 from conformance.checks.fsdp1.training import assert_orig_param_grads
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API}
-B = 2
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
-
-
-def _x(ctx, n_in: int, salt: int) -> torch.Tensor:
-    """The same batch on every rank (so the averaged gradient is the oracle's on it)."""
-    return torch.randn(B, n_in, generator=torch.Generator().manual_seed(salt)).to(ctx.device)
 
 
 class _Mlp(nn.Module):
