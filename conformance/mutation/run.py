@@ -425,6 +425,13 @@ def _kill_order(cases: list[str], duration: dict[str, float]) -> list[str]:
 # second traced run made only when such a mutant comes up (and cached like the first). Its
 # record says so in ``note``; only when no case at any of the sizes executes the statement does
 # it survive unjudged ("no case executes the mutated statement").
+#
+# A mutant the main world sizes' cases reach and do not kill gets a second look: the cases at the
+# fallback sizes that execute its statement (an HSDP or tensor-parallel check, say, running code
+# every world size runs) judge it again, after the main pass, in shared runs like the first. A
+# kill there is a kill (``note`` says at which sizes); a survivor's note counts both passes. So
+# a campaign runs every relevant case of the default suite while paying for a world-size-4 run
+# only for the few mutants the main pass leaves alive.
 
 
 def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False) -> dict:
@@ -458,10 +465,10 @@ def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False)
         return {"record": record | {"status": "classed", "class": kind, "note": kind}}
     where = population.reach(original, mutant.line)
     cases = population.select_cases(cov["lines"], mutant.file, where)
+    widened = False
     if not cases and fallback is not None:
-        extra = fallback()
-        cases = population.select_cases(extra["lines"], mutant.file, where)
-        cov["duration"].update(extra["duration"])  # the kill order and budgets read them
+        extra, widened = fallback(), True
+        cases = fallback_cases(mutant.file, where, cov, lambda: extra)
         if cases:
             record["note"] = f"judged at the fallback world sizes {extra['ws']}"
     if not cases:
@@ -471,7 +478,34 @@ def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False)
     import ast
 
     live = not where.import_time and population._in_function(ast.parse(original), mutant.line)
-    return {"record": record, "mutated": mutated, "cases": cases, "live": live}
+    prep = {"record": record, "mutated": mutated, "cases": cases, "live": live}
+    if fallback is not None and not widened:
+        prep["second_look"] = lambda: _kill_order(
+            fallback_cases(mutant.file, where, cov, fallback), cov["duration"]
+        )
+    return prep
+
+
+def fallback_cases(file: str, where, cov: dict, fallback) -> list[str]:
+    """The cases of the fallback map (``fallback()``, measured on first use) that execute the
+    statement ``where`` of ``file``; their durations join ``cov`` (the kill order reads them)."""
+    extra = fallback()
+    cov["duration"].update(extra["duration"])
+    return population.select_cases(extra["lines"], file, where)
+
+
+def second_look(first: dict, rec: dict, ws: str) -> dict:
+    """The verdict of a main-pass survivor ``first`` after the fallback sizes' run ``rec`` (see
+    [Note: fallback world sizes])."""
+    seconds = round(first["seconds"] + rec["seconds"], 2)
+    if rec["status"] in ("killed", "timeout"):
+        note = f"killed at the fallback world sizes {ws}; {first['note']} at the main ones"
+        return rec | {"seconds": seconds, "note": note}
+    if rec["status"] == "survived":
+        note = f"{first['note']}; {rec['cases']} more at the fallback world sizes {ws}"
+        return first | {"seconds": seconds, "note": note}
+    note = f"{first['note']}; the fallback world sizes' run: {rec['status']} {rec['note']}"
+    return first | {"seconds": seconds, "note": note.strip()}
 
 
 def judge_batch(batch: list, tree: Path, work: Path, cov: dict, args) -> list[dict]:
@@ -584,8 +618,22 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out, src=N
             flush=True,
         )
 
+    later: list = []  # main-pass survivors waiting for their second look
+
+    def settle(mutant, prep, rec) -> None:
+        if "first" in prep:
+            emit(second_look(prep["first"], rec, fallback()["ws"]))
+        elif rec["status"] == "survived" and "second_look" in prep:
+            cases = prep["second_look"]()
+            if cases:
+                later.append((mutant, prep | {"cases": cases, "first": rec}))
+                return
+            emit(rec)
+        else:
+            emit(rec)
+
     def process(mutant, prep) -> None:
-        emit(judge(mutant, prep, tree, work, cov, args))
+        settle(mutant, prep, judge(mutant, prep, tree, work, cov, args))
 
     batch: list = []
 
@@ -602,20 +650,28 @@ def run_campaign(todo: list, tree: Path, work: Path, cov: dict, args, out, src=N
                 print(f"mutation: {mutant.id}: a check timed out; a fresh run confirms", flush=True)
                 process(mutant, prep)
             else:
-                emit(rec)
+                settle(mutant, prep, rec)
         batch.clear()
 
-    for mutant in todo:
-        prep = prepare(mutant, src, cov, widen, classed=args.target == "torch")
-        if "cases" not in prep:
-            emit(prep["record"])
-        elif prep["live"] and args.batch > 1:
-            batch.append((mutant, prep))
-            if len(batch) >= args.batch:
-                flush_batch()
-        else:
-            process(mutant, prep)
-    flush_batch()
+    def judge_all(preps) -> None:
+        for mutant, prep in preps:
+            if "cases" not in prep:
+                emit(prep["record"])
+            elif prep["live"] and args.batch > 1:
+                batch.append((mutant, prep))
+                if len(batch) >= args.batch:
+                    flush_batch()
+            else:
+                process(mutant, prep)
+        flush_batch()
+
+    judge_all(
+        (mutant, prepare(mutant, src, cov, widen, classed=args.target == "torch"))
+        for mutant in todo
+    )
+    if later:
+        print(f"mutation: a second look at {len(later)} survivor(s) at the fallback world sizes")
+        judge_all(list(later))
 
 
 # [Note: carried verdicts]

@@ -393,7 +393,26 @@ def test_a_statement_no_main_case_runs_is_judged_at_the_fallback_world_sizes():
     assert prep["record"]["note"] == "no case executes the mutated statement"
     main = {"lines": {"f[r-ws2-a]": {file: [line]}}, "duration": {}}
     asked.clear()
-    assert prepare(mutant, ROOT, main, fallback({}))["cases"] == ["f[r-ws2-a]"] and not asked
+    prep = prepare(mutant, ROOT, main, fallback({"f[r-ws4-a]": {file: [line]}}))
+    assert prep["cases"] == ["f[r-ws2-a]"] and not asked
+    # a main-pass survivor's second look: the fallback cases executing the same statement
+    assert prep["second_look"]() == ["f[r-ws4-a]"] and asked == [1]
+
+
+def test_a_main_pass_survivor_killed_at_the_fallback_sizes_is_killed():
+    """[Note: fallback world sizes]: the second look's verdict replaces a survivor's when it
+    kills; a second survival keeps the first record with both passes counted in its note."""
+    from conformance.mutation.run import second_look
+
+    first = {"status": "survived", "note": "3 case(s) passed or skipped", "seconds": 2.0}
+    killed = {"status": "killed", "note": "", "seconds": 5.0, "killer": "f[r-ws4-a]"}
+    got = second_look(first, killed, "4")
+    assert (got["status"], got["killer"], got["seconds"]) == ("killed", "f[r-ws4-a]", 7.0)
+    assert got["note"].startswith("killed at the fallback world sizes 4")
+    alive = {"status": "survived", "note": "1 case(s) passed", "seconds": 1.0, "cases": 1}
+    got = second_look(first, alive, "4")
+    assert got["status"] == "survived" and got["seconds"] == 3.0
+    assert got["note"] == "3 case(s) passed or skipped; 1 more at the fallback world sizes 4"
 
 
 def test_session_files_take_absolute_globs_and_name_a_missing_file(tmp_path):
