@@ -88,6 +88,8 @@ FSDP2_NEW_INIT_SWITCH = (
     "fsdp2-new-init-switch"  # ns._fully_shard._fully_shard.disable_fsdp_module_new_init
 )
 FSDP1_TENSOR_PARALLEL = "fsdp1-tensor-parallel"  # FSDP1 over DTensor (tensor-parallel) parameters
+FSDP1_NO_SYNC_ORIG_GRADS = "fsdp1-no-sync-orig-grads"  # original .grad inside no_sync()
+FSDP1_LOCAL_ORIG_PARAMS = "fsdp1-local-orig-params"  # LOCAL_STATE_DICT with use_orig_params=True
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -206,6 +208,12 @@ PROMISES = {
     FSDP1_CPU_OFFLOAD: "`ns.FullyShardedDataParallel(module, cpu_offload=ns.CPUOffload("
     "offload_params=True))` builds units whose flat parameters (each rank's shard of the "
     "flattened original parameters) live on the CPU, whatever the compute device",
+    FSDP1_NO_SYNC_ORIG_GRADS: "with `use_orig_params=True`, a backward inside `no_sync()` gives "
+    "each original parameter a `.grad` of its full shape: the unreduced gradient of this rank's "
+    "samples (accumulated over the `no_sync()` backwards), as upstream's FSDP1",
+    FSDP1_LOCAL_ORIG_PARAMS: "`state_dict(m, 'local')` (LOCAL_STATE_DICT) also on units built "
+    "with `use_orig_params=True`, the flat parameter following its original parameters' "
+    "`requires_grad`",
 }
 
 

@@ -54,6 +54,8 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_CPU_OFFLOAD,
             base.FSDP1_FAKE_COLLECTIVES,
             base.FSDP1_TENSOR_PARALLEL,
+            base.FSDP1_NO_SYNC_ORIG_GRADS,
+            base.FSDP1_LOCAL_ORIG_PARAMS,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

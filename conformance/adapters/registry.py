@@ -79,6 +79,10 @@ def _reference_fsdp1():
         base.FSDP1_CPU_OFFLOAD,
         base.FSDP1_FAKE_COLLECTIVES,  # profiling knobs that skip collectives
         base.FSDP1_TENSOR_PARALLEL,  # FlatParameter over DTensors (FSDP1's DTensor extensions)
+        # no_sync() keeps its unsharded gradient inside the handle; LOCAL with use_orig_params is
+        # refused (docs/adapters.md)
+        base.FSDP1_NO_SYNC_ORIG_GRADS,
+        base.FSDP1_LOCAL_ORIG_PARAMS,
     }
     return impl
 

@@ -202,7 +202,8 @@ def _unshard_fsdp_state_params(
     copy (a no-op on a CPU compute device: the gathered tensor is already there). On exit,
     ``writeback`` copies this rank's range of the (possibly modified) full tensor into the shard.
     ``with_grads`` (use_orig_params only) also gathers the flat gradient and gives each original
-    parameter its full ``.grad`` (a rank without a gradient contributes zeros).
+    parameter its full ``.grad`` (a rank without a gradient contributes zeros). Original
+    parameters whose ``.data`` the user replaced are written into the flat parameter first.
     """
     handle = state._handle
     if handle is None:
@@ -219,6 +220,7 @@ def _unshard_fsdp_state_params(
             f"Cannot unshard parameters of an FSDP module in state {state.training_state.name}; "
             "summon_full_params/state_dict must not be nested or run inside forward"
         )
+    handle.writeback_replaced_data()  # what the user replaced shows inside, as in forward (R80)
     padded = handle.unshard_full_precision()
     if rank0_only and handle.rank != 0:
         if with_grads:  # rank 0's gradient gather needs this rank too; the result is dropped
