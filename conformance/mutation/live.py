@@ -15,6 +15,14 @@ persistent process groups, each mutant as an implementation of its own, ``mutant
   the same function object, so the swap is seen everywhere, and nothing survives the check.
   A mutant in a nested function (a closure, a hook made inside a method) is applied by swapping
   the enclosing function's code: the nested function made by the next call is the mutant's.
+* [Note: closures made before the swap] A nested function whose enclosing function already ran
+  before the check (a decorator's ``wrapper``, applied to methods when their class was created at
+  import) would never run the mutant through the next call alone. So the swap also replaces the
+  code of every function object made from the nested code holding the line that a loaded module
+  of the same package reaches (its namespace, classes, ``__wrapped__`` chains; the garbage
+  collector cannot be asked: the workers freeze their start-up objects), and puts theirs back
+  afterwards. Closures held only elsewhere (a hook registered on a module) are made during the
+  check, by the swapped enclosing function.
 * Only a mutant inside a function body can be applied that way. One at module or class level, in
   a decorator or a default (run at import) is judged in a fresh run with the file rewritten
   (:func:`conformance.mutation.run.judge`; for the torch target the installed file stays as it
@@ -44,7 +52,9 @@ import importlib
 import json
 import os
 import re
+import sys
 import types
+import warnings
 
 from conformance.adapters.base import RenamedImplementation
 
@@ -68,25 +78,24 @@ def _code_objects(code: types.CodeType, found: dict) -> None:
             _code_objects(const, found)
 
 
-def _live_functions(module) -> list[types.FunctionType]:
-    """The function objects defined in ``module``'s file that its namespace reaches: module
-    functions, methods, properties, static/class methods, through decorators' ``__wrapped__``."""
+def _reachable_functions(namespace: dict, keep) -> list[types.FunctionType]:
+    """The function objects ``keep`` accepts that ``namespace`` reaches: module functions,
+    methods, properties, static/class methods, through decorators' ``__wrapped__``."""
     out, seen = [], set()
 
     def add(obj):
         for _ in range(5):
-            ours = (
-                isinstance(obj, types.FunctionType) and obj.__code__.co_filename == module.__file__
-            )
-            if ours and id(obj) not in seen:
+            if isinstance(obj, types.FunctionType) and id(obj) not in seen and keep(obj):
                 seen.add(id(obj))
                 out.append(obj)
-            wrapped = getattr(obj, "__wrapped__", None)
-            if wrapped is None:
+            try:  # a lazy or proxy object may raise on any attribute
+                obj = getattr(obj, "__wrapped__", None)
+            except Exception:
                 return
-            obj = wrapped
+            if obj is None:
+                return
 
-    def visit(namespace, depth):
+    def visit(namespace, module_name, depth):
         for value in list(namespace.values()):
             if isinstance(value, (staticmethod, classmethod)):
                 add(value.__func__)
@@ -94,13 +103,18 @@ def _live_functions(module) -> list[types.FunctionType]:
                 for f in (value.fget, value.fset, value.fdel):
                     add(f)
             elif isinstance(value, type):
-                if value.__module__ == module.__name__ and depth < 4:
-                    visit(vars(value), depth + 1)
+                if value.__module__ == module_name and depth < 4:
+                    visit(vars(value), module_name, depth + 1)
             else:
                 add(value)
 
-    visit(vars(module), 0)
+    visit(namespace, namespace.get("__name__"), 0)
     return out
+
+
+def _live_functions(module) -> list[types.FunctionType]:
+    """The function objects defined in ``module``'s file that its namespace reaches."""
+    return _reachable_functions(vars(module), lambda f: f.__code__.co_filename == module.__file__)
 
 
 def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.FunctionType, object]]:
@@ -130,7 +144,40 @@ def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.Functi
     code = candidates[same_name.index(target)]
     if code.co_freevars != target.__code__.co_freevars:
         raise RuntimeError(f"{NOT_APPLIED}: {target.__qualname__}'s free variables changed")
-    return [(target, code)]
+    return [(target, code), *_made_closures(module.__name__, target.__code__, code, line)]
+
+
+def _innermost(code: types.CodeType, line: int) -> list[types.CodeType]:
+    """The chain of code objects nested in ``code`` whose lines hold ``line``, outermost first."""
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            lines = [ln for _, _, ln in const.co_lines() if ln is not None]
+            if lines and const.co_firstlineno <= line <= max(lines):
+                return [const, *_innermost(const, line)]
+    return []
+
+
+def _made_closures(module_name: str, old: types.CodeType, new: types.CodeType, line: int) -> list:
+    """``(function, mutated code)`` for every live function made from the nested code that holds
+    ``line`` before the swap (see [Note: closures made before the swap])."""
+    old_chain, new_chain = _innermost(old, line), _innermost(new, line)
+    if not old_chain or len(old_chain) != len(new_chain):
+        return []
+    inner, mutated = old_chain[-1], new_chain[-1]
+    package = module_name.partition(".")[0] + "."
+    with warnings.catch_warnings():  # deprecated module attributes warn when touched
+        warnings.simplefilter("ignore")
+        made = [
+            f
+            for name, mod in list(sys.modules.items())
+            if name.startswith(package) and isinstance(getattr(mod, "__dict__", None), dict)
+            for f in _reachable_functions(mod.__dict__, lambda f: f.__code__ is inner)
+        ]
+    if made and (
+        _qualname(inner) != _qualname(mutated) or inner.co_freevars != mutated.co_freevars
+    ):
+        raise RuntimeError(f"{NOT_APPLIED}: nested {_qualname(inner)} changed shape in the mutant")
+    return [(f, mutated) for f in made]
 
 
 class MutantAdapter(RenamedImplementation):

@@ -624,3 +624,40 @@ def test_triage_entries_belong_to_one_target(tmp_path):
     path.write_text('[[gap]]\nfingerprint = "a"\ntarget = "tourch"\nneeds = "x"\n')
     with pytest.raises(SystemExit, match="target 'tourch' of a: expected one of reference, torch"):
         report.load_triage(path)
+
+
+def test_a_mutant_in_a_decorator_wrapper_reaches_the_methods_decorated_at_import(
+    tmp_path, monkeypatch
+):
+    """[Note: closures made before the swap]: a line inside a decorator's ``wrapper`` runs only in
+    the wrappers made when another module's class was created; the swap must reach them (as for
+    ``_fsdp_common._disable_functorch_if_active`` on FSDPParamGroup's methods), and undo itself."""
+    import importlib
+
+    from conformance.mutation import live
+
+    source = (
+        "import functools\n"
+        "def twice(func):\n"
+        "    @functools.wraps(func)\n"
+        "    def wrapper(*args):\n"
+        "        return 2 * func(*args)\n"
+        "    return wrapper\n"
+    )
+    package = tmp_path / "deco_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "deco.py").write_text(source)
+    (package / "user.py").write_text(
+        "from deco_pkg.deco import twice\n"
+        "class C:\n    @twice\n    def f(self, x):\n        return x + 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    deco, user = importlib.import_module("deco_pkg.deco"), importlib.import_module("deco_pkg.user")
+    mutated = source.replace("return 2 * func(*args)", "return 3 * func(*args)")
+    adapter = live.MutantAdapter.__new__(live.MutantAdapter)
+    adapter._plan = live.plan_swap(deco, mutated, 5)
+    assert user.C().f(1) == 4
+    with adapter.patched():
+        assert user.C().f(1) == 6, "the wrapper made at import still runs the original"
+    assert user.C().f(1) == 4
