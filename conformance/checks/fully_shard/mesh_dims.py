@@ -20,7 +20,11 @@ parameter is already a DTensor on it, ``Replicate()`` on each data-parallel dim;
 
 The model wraps its input and output so that the forward computes on DTensors of the mesh (inputs
 ``Replicate()`` everywhere, as ``distribute_module`` would hand them), and the oracle is the plain
-model on the global batch.
+model on the global batch. A fourth case, ``shard-split`` (P40), is ``shard`` with each replica's
+samples split over ``"tp"`` (input ``Shard(0)`` there, output gathered back): a parameter
+``Replicate()`` on ``"tp"`` then gets a gradient that is ``Partial()`` on ``"tp"``, which FSDP
+must reduce to the parameter's placement before its reduce-scatter over ``"dp"``; the expected
+gradient is the same as ``shard``'s.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_DP_ME
 
 class SpmdMLP(nn.Module):
     """The oracle MLP computing on DTensors of ``mesh``: the input enters replicated on every
-    dim, the output leaves as this rank's local tensor."""
+    dim, the output leaves as this rank's local tensor. With ``split`` (a mesh dim's index) the
+    input enters ``Shard(0)`` on that dim instead, each rank there holding its chunk of the
+    samples, and the output is gathered back (``Replicate()`` everywhere) before it leaves."""
 
-    def __init__(self, mlp: MLP, mesh):
+    def __init__(self, mlp: MLP, mesh, split: int | None = None):
         super().__init__()
         from torch.distributed.tensor import Replicate, distribute_tensor
 
-        self.mesh = mesh
+        self.mesh, self.split = mesh, split
         self.inp, self.out = mlp.inp, mlp.out
         for module in (self.inp, self.out):
             for name, param in list(module.named_parameters()):
@@ -62,10 +68,18 @@ class SpmdMLP(nn.Module):
                 setattr(module, name, nn.Parameter(full))
 
     def forward(self, x):
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
-        return self.out(torch.tanh(self.inp(x))).to_local()
+        everywhere = [Replicate()] * self.mesh.ndim
+        if self.split is None:
+            x = DTensor.from_local(x, self.mesh, everywhere, run_check=False)
+            return self.out(torch.tanh(self.inp(x))).to_local()
+        size, index = self.mesh.size(self.split), self.mesh.get_local_rank(self.split)
+        placements = [
+            Shard(0) if dim == self.split else Replicate() for dim in range(self.mesh.ndim)
+        ]
+        x = DTensor.from_local(x.chunk(size)[index], self.mesh, placements, run_check=False)
+        return self.out(torch.tanh(self.inp(x))).redistribute(self.mesh, everywhere).to_local()
 
 
 CASES = {
@@ -74,6 +88,8 @@ CASES = {
     "shard-replicate": (("rep", "dp"), {"shard": "dp", "replicate": "rep"}),
     # P79: no shard dim, replicate only (DDP over "dp")
     "replicate": (("dp", "tp"), {"replicate": "dp"}),
+    # P40: as "shard", the samples split over "tp" (the gradient leaves the model Partial there)
+    "shard-split": (("dp", "tp"), {"shard": "dp"}),
 }
 
 
@@ -81,7 +97,7 @@ CASES = {
     area="training", requires=REQUIRES, cases={n: {"name": n} for n in CASES}, world_sizes=(2, 4)
 )
 def dp_mesh_dims_training(ctx, name):
-    """P40 (``shard="dp"`` on ``("dp", "tp")``), P41 (``shard="dp", replicate="rep"`` on
+    """P40 (``shard="dp"`` on ``("dp", "tp")``, also with the samples split over ``"tp"``), P41 (``shard="dp", replicate="rep"`` on
     ``("rep", "dp")``), P79 (``replicate="dp"`` alone on ``("dp", "tp")``: every dim
     ``Replicate()``, the local tensor the whole parameter): after ``fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=...)`` on ``inp``,
     ``out`` and the root, every parameter is a DTensor on the full mesh with ``Shard(0)`` on the
@@ -99,7 +115,7 @@ def dp_mesh_dims_training(ctx, name):
     if name == "replicate":
         parts, index = 1, 0  # nothing sharded: the local tensor is the whole parameter
         replica, replicas = rank // half, 2
-    elif name == "shard":
+    elif name in ("shard", "shard-split"):
         parts, index = 2, rank // half
         replica, replicas = rank // half, 2  # one replica per dp index
     else:
@@ -107,7 +123,9 @@ def dp_mesh_dims_training(ctx, name):
         replica, replicas = rank, ws
     ctx.seed(0)
     oracle = MLP().to(ctx.device)
-    model = SpmdMLP(copy.deepcopy(oracle), mesh)
+    model = SpmdMLP(
+        copy.deepcopy(oracle), mesh, names.index("tp") if name == "shard-split" else None
+    )
     mesh_dims = ns.DataParallelMeshDims(**dims)
     for unit in (model.inp, model.out, model):
         ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=mesh_dims)
