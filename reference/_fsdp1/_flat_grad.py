@@ -166,9 +166,10 @@ class FlatGradHandling:
         """use_orig_params=True: the original ``.grad`` s are what the next backward accumulates
         onto. Every one None (``zero_grad``): the flat gradient is dropped. Otherwise a None one
         zeroes its part of the flat gradient and one the user assigned (a tensor that is not a
-        view into the flat gradient) is copied into its part (a zero flat gradient is made when
-        there is none). An assigned gradient with another number of elements than its part
-        cannot be copied: RuntimeError "Cannot writeback when the gradient shape changes"."""
+        view into the flat gradient) to a parameter with elements here is copied into its part (a
+        zero flat gradient is made when there is none). An assigned gradient with another number
+        of elements than its part cannot be copied: RuntimeError "Cannot writeback when the
+        gradient shape changes"."""
         if not self._use_orig_params:
             return
         self._cleared_grads = {i for i, p in enumerate(self._orig_params) if p.grad is None}
@@ -177,9 +178,12 @@ class FlatGradHandling:
             return
         grad = self.flat_param.grad
         storage = None if grad is None else grad.untyped_storage().data_ptr()
-        assigned = [
-            p.grad is not None and p.grad.untyped_storage().data_ptr() != storage
-            for p in self._orig_params
+        here = [
+            not self.uses_sharded_strategy or i.in_shard for i in self.flat_param._shard_param_infos
+        ]
+        assigned = [  # one assigned to a parameter without elements here carries nothing (R88)
+            held and p.grad is not None and p.grad.untyped_storage().data_ptr() != storage
+            for p, held in zip(self._orig_params, here)
         ]
         if grad is None:
             if not any(assigned):

@@ -162,7 +162,9 @@ class FlatParamHandle(FlatGradHandling):
         managed = {id(p) for p in params}
         infos, shared, ordered, memo = [], [], [], {}
         for module_name, sub in module.named_modules(remove_duplicate=False):
-            for name, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            # a module's own parameters, read where nn.Module keeps them: its named_parameters
+            # may be overridden and refuse remove_duplicate=False (R84)
+            for name, p in sub._parameters.items():
                 if id(p) not in managed:
                     continue
                 if id(p) in memo:

@@ -67,10 +67,22 @@ def _managed_tensors(
 
 
 def _compute_device(device_id: Any, params: list[nn.Parameter], module: nn.Module) -> torch.device:
+    """Given ``device_id``, the compute device is that device. Managed parameters on the CPU are
+    moved there; the first one anywhere else (left on meta by a ``param_init_fn``, on another
+    accelerator) is inconsistent with it, and so is the CPU named with an index (``cpu:0``): the
+    CPU compute device is ``cpu`` (R83). Without ``device_id``: the first managed tensor's."""
     if device_id is not None:
         device = torch.device(device_id)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        held = params[0].device if params else torch.device("cpu")
+        if held.type == "cpu":
+            held = torch.device("cpu") if device.type == "cpu" else device
+        if held != device:
+            raise ValueError(
+                f"Inconsistent compute device and `device_id`: {held} vs {device} (the managed "
+                "parameters must be on the CPU or on device_id)"
+            )
         return device
     tensors = params + list(module.buffers())
     return tensors[0].device if tensors else torch.device("cpu")

@@ -177,6 +177,11 @@ def _unshard_post_state_dict(state, state_dict: dict[str, Any], prefix: str) -> 
     try:
         for fqn, _ in _param_fqns(state):
             key = prefix + fqn
+            if key not in state_dict and not drop:  # a state_dict hook took it out (R86)
+                raise AssertionError(
+                    f"FSDP assumes {key} is in the state_dict but the state_dict only has "
+                    f"{list(state_dict)}"
+                )
             if drop:
                 state_dict.pop(key, None)
             elif full:
