@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ._fsdp_common import _to_dtype_if_needed, alloc_storage
+from ._fsdp_common import _to_dtype_if_needed
 from ._fsdp_param import FSDPParam, ShardedState
 from ._shard_math import dim0_padded_size
 
@@ -68,12 +68,8 @@ def foreach_all_gather(
     if world_size == 1:  # no exchange, and no metadata for the copy-out (see the Note)
         outputs = []
         for fsdp_param, inputs in zip(fsdp_params, param_inputs):
-            if fsdp_param.all_gather_outputs:  # sized by the first unshard: regrow only
-                for output in fsdp_param.all_gather_outputs:
-                    alloc_storage(output)
-            else:
-                numels, dtypes = [t.numel() for t in inputs], [t.dtype for t in inputs]
-                fsdp_param.init_all_gather_outputs(numels, dtypes, 1, device)
+            numels, dtypes = [t.numel() for t in inputs], [t.dtype for t in inputs]
+            fsdp_param.init_all_gather_outputs(numels, dtypes, 1, device)  # or regrow them
             outputs += fsdp_param.all_gather_outputs
         with _preserve_version_counters(outputs):
             torch._foreach_copy_(outputs, [t for inputs in param_inputs for t in inputs])

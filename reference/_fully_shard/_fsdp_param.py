@@ -203,7 +203,14 @@ class FSDPParam:
     def init_all_gather_outputs(
         self, numels: list[int], dtypes: list[torch.dtype], world_size: int, device: torch.device
     ) -> None:
-        """Allocate the 1-D all-gather outputs on the first unshard; later ones regrow them."""
+        """Allocate the 1-D all-gather outputs on the first unshard; later ones regrow them.
+        Outputs made under ``torch.inference_mode()`` are inference tensors, which may not be
+        refilled outside it: the first unshard outside makes ordinary ones (and a new unsharded
+        parameter viewing them)."""
+        outputs = self.all_gather_outputs
+        if outputs and outputs[0].is_inference() and not torch.is_inference_mode_enabled():
+            self.all_gather_outputs = []
+            self.__dict__.pop("_unsharded_param", None)
         if not self.all_gather_outputs:
             self.all_gather_outputs = [
                 torch.empty(n * world_size, dtype=d, device=device) for n, d in zip(numels, dtypes)

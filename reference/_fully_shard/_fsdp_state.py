@@ -12,8 +12,17 @@ forward (backward needs them first) and every other module reshards.
 Hook order for one module: forward pre-hook (root: lazy init; cast inputs to ``param_dtype``;
 unshard) → ``forward`` → forward hook (reshard per ``reshard_after_forward``; register the
 pre-backward hook on the outputs; cast outputs to ``output_dtype``) → in backward: pre-backward
-(unshard) → gradients → post-backward (reshard, reduce-scatter) → root's final callback (runs
+(unshard; prefetch) → gradients → post-backward (reshard, reduce-scatter) → root's final callback (runs
 post-backward for groups autograd never reached, then returns every state to ``IDLE``).
+
+[Note: implicit backward prefetch]
+Backward runs the units roughly in reverse forward order, so without explicit backward prefetching
+(``set_modules_to_backward_prefetch``) a unit's pre-backward, right after its own unshard, starts
+the all-gather of the unit whose post-forward ran just before its own in the forward being
+differentiated: that gather is under way while this unit's gradients are computed. The shared
+context records the order of the post-forwards of units with parameters run with grad enabled (a
+unit run twice appears twice), each state its positions in it; a pre-backward takes its last
+position. The root's final callback (and ``reset_iter_state``) clears the record.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class FSDPStateContext:
         self.all_states: list[FSDPState] = []  # root first, then pre-order
         self.iter_forward_root: FSDPState | None = None  # the state whose forward is running
         self.post_backward_final_callback_queued = False
+        self.post_forward_order: list[FSDPState] = []  # [Note: implicit backward prefetch]
         # set_is_last_backward: upstream waits for its pending reductions at the end of the last
         # backward; every reduction here is finished when post-backward returns, so it is kept
         # for the API only.
@@ -78,6 +88,7 @@ class FSDPState(_State):
         # (backward); each one's own pre-forward (pre-backward) then only waits for it.
         self._states_to_forward_prefetch: list[FSDPState] = []
         self._states_to_backward_prefetch: list[FSDPState] = []
+        self._post_forward_indices: list[int] = []  # positions in post_forward_order
         for module in modules:
             _insert_module_state(module, self)  # a weak reference: the module holds the state
         if len(modules) == 1:
@@ -176,6 +187,9 @@ class FSDPState(_State):
             return self._cast_output_dtype(output)
         if self._fsdp_param_group is not None:
             output = self._fsdp_param_group.post_forward(module, input, output)
+            if torch.is_grad_enabled():
+                self._post_forward_indices.append(len(self._state_ctx.post_forward_order))
+                self._state_ctx.post_forward_order.append(self)
         output = self._register_pre_backward_hook(output)
         self._training_state = TrainingState.IDLE
         if self._state_ctx.iter_forward_root is self:
@@ -218,12 +232,26 @@ class FSDPState(_State):
         if not self._state_ctx.post_backward_final_callback_queued:
             self._state_ctx.post_backward_final_callback_queued = True
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        if self._fsdp_param_group is not None:
-            self._fsdp_param_group.pre_backward()
+        group = self._fsdp_param_group
+        if group is not None and group._training_state != TrainingState.PRE_BACKWARD:
+            group.pre_backward()
+            if not self._states_to_backward_prefetch:
+                self._prefetch_previous_in_forward()
         for state in self._states_to_backward_prefetch:
             if (group := state._fsdp_param_group) is not None and group.unshard_in_backward:
                 group.unshard()
         return grad
+
+    def _prefetch_previous_in_forward(self) -> None:
+        """[Note: implicit backward prefetch]: unshard the unit whose post-forward ran just before
+        this one's (none for the first, or for a second backward of the same forward)."""
+        if not self._post_forward_indices:
+            return
+        index = self._post_forward_indices.pop()
+        if index > 0:
+            group = self._state_ctx.post_forward_order[index - 1]._fsdp_param_group
+            if group.unshard_in_backward:
+                group.unshard()
 
     def _reset_iter_state(self) -> None:
         """After a forward or backward that raised: every state under this root back to
@@ -231,7 +259,9 @@ class FSDPState(_State):
         if self._is_root is False:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")
         ctx = self._state_ctx
+        ctx.post_forward_order.clear()
         for state in ctx.all_states or [self]:
+            state._post_forward_indices.clear()
             state._modules_to_run_forward.clear()
             state._training_state = TrainingState.IDLE
             if state._fsdp_param_group is not None:
@@ -242,7 +272,9 @@ class FSDPState(_State):
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state_ctx
         ctx.iter_forward_root = None
+        ctx.post_forward_order.clear()
         for state in ctx.all_states:
+            state._post_forward_indices.clear()
             state._modules_to_run_forward.clear()
             if (group := state._fsdp_param_group) is not None:
                 if group._training_state != TrainingState.POST_BACKWARD:

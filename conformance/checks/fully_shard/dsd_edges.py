@@ -558,8 +558,10 @@ def dsd_submodule_keys_and_refusals(ctx):
     model dict loads only the optimizer and reports nothing missing. Refused: a strict load of
     ``{}`` (RuntimeError "model state_dict is empty"), an empty optimizer dict ("optim state_dict
     is empty"), ``set_state_dict`` with no optimizer and no model dict ("Optimizers are not
-    passed"), ``broadcast_from_rank0`` without ``full_state_dict`` (ValueError), and a key holding
-    ``_flat_param`` (RuntimeError "<key> contains _flat_param", before any load)."""
+    passed"), ``broadcast_from_rank0`` without ``full_state_dict`` (ValueError), a key holding
+    ``_flat_param`` (RuntimeError "<key> contains _flat_param", before any load), and
+    ``get_state_dict(model, [])`` on ``fully_shard(nn.Sequential(nn.ReLU()))``, a model with no
+    parameters or buffers (RuntimeError "model state_dict is empty")."""
     dsd = _dsd()
     src = dsd.get_model_state_dict(_sharded(ctx, 3))
 
@@ -647,6 +649,14 @@ def dsd_submodule_keys_and_refusals(ctx):
         r"lin1\._flat_param contains _flat_param",
         "a key holding _flat_param",
         lambda: dsd.set_model_state_dict(model, {"lin1._flat_param": torch.zeros(2)}),
+    )
+    empty = ctx.impl.ns.fully_shard(nn.Sequential(nn.ReLU()).to(ctx.device), mesh=ctx.mesh)
+    _expect_raise(
+        ctx,
+        RuntimeError,
+        r"model state_dict is empty",
+        "get_state_dict(model, []) on a model with no parameters or buffers",
+        lambda: dsd.get_state_dict(empty, []),
     )
 
 

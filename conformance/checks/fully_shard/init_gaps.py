@@ -27,13 +27,13 @@ runs the unit's lazy set-up again; that must not forget the tensors to re-alloca
 from __future__ import annotations
 
 import copy
-import importlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.models import distinct_values
 from conformance.checks._shared.oracle import B, make_optimizer, step_and_compare
 from conformance.checks.fully_shard._subclasses import Pair1
@@ -90,7 +90,7 @@ def per_param_mesh_reshard_default(ctx):
     from torch.distributed.tensor import Shard
 
     ns = ctx.impl.ns
-    common = importlib.import_module(ns.__name__ + "._fully_shard._fsdp_common")
+    common = ns_module(ctx, "_fully_shard._fsdp_common")
     ws, rank = ctx.world_size, ctx.rank
     mesh = ctx.make_mesh((ws,))
     mesh2 = DeviceMesh.from_group(dist.new_group(list(range(ws))), ctx.device.type)
@@ -138,9 +138,7 @@ def new_init_switch(ctx):
     nested block after the inner one ends; after the block, and after an exception raised inside a
     block, it is initialised again."""
     ns = ctx.impl.ns
-    switch = importlib.import_module(
-        ns.__name__ + "._fully_shard._fully_shard"
-    ).disable_fsdp_module_new_init
+    switch = ns_module(ctx, "_fully_shard._fully_shard").disable_fsdp_module_new_init
     model = nn.Linear(4, 4).to(ctx.device)
     ns.fully_shard(model, mesh=ctx.make_mesh((ctx.world_size,)))
     cls = type(model)

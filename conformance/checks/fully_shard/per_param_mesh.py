@@ -22,7 +22,6 @@ b1.expert, b1.dense, <b2>, b0.expert, b0.dense, <b1>, <b0>``.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
 from conformance.checks._shared.collectives import NAMESPACES
+from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.oracle import B, make_optimizer, step_and_compare
 from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.prefetch import _output_numel, gathered_numel
@@ -111,7 +111,7 @@ def per_param_mesh(ctx):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    common = importlib.import_module(ctx.impl.ns.__name__ + "._fully_shard._fsdp_common")
+    common = ns_module(ctx, "_fully_shard._fsdp_common")
     ws, rank = ctx.world_size, ctx.rank
     mesh = ctx.make_mesh((ws,))
     # a second mesh over the same ranks with a process group of its own (a 1-D mesh from

@@ -8,8 +8,10 @@ allocator (``set_allocate_memory_from_process_group_for_comm(True)``), symmetric
 (``set_symm_mem_for_comm()``) or a custom comm. Once the process-group allocator is on,
 ``set_symm_mem_for_comm()`` refuses the unit with AssertionError naming the all-gather comm in
 place (``ProcessGroupAllocAllGather``); turned off again (``False``), the unit is back on the
-default all-gather and that refusal is gone (on CPU/gloo the symmetric-memory setup itself then
-fails, NCCL being its only backend: any error but that AssertionError is accepted).
+default all-gather and that refusal is gone. Symmetric memory's only allocation backend is NCCL:
+where torch has no NCCL (a CPU build) the setup itself then fails with RuntimeError naming NCCL
+and the unit keeps its default all-gather, so training afterwards is unchanged; with NCCL any
+outcome but that AssertionError is accepted (symmetric memory depends on the machine).
 
 [Note: a failed standalone call claims the iteration]
 The first unit whose pre-forward runs in an iteration takes the root's part for it (its
@@ -66,9 +68,15 @@ def symm_mem_after_pg_allocator(ctx):
     """P75: on the nested MLP, ``inp.set_allocate_memory_from_process_group_for_comm(True)`` then
     ``inp.set_symm_mem_for_comm()`` raises AssertionError naming ``ProcessGroupAllocAllGather``
     (the all-gather comm in place); after ``...for_comm(False)`` the same call no longer raises
-    that AssertionError."""
+    that AssertionError. Where torch has no NCCL (``torch.distributed.is_nccl_available()``
+    False), symmetric memory has no allocation backend: the call raises RuntimeError naming NCCL
+    and leaves the unit on its default all-gather, so one training step afterwards (sharded
+    gradients, values after an SGD step) equals the unsharded model's."""
+    import torch.distributed as dist
+
     ctx.seed(0)
-    model = ctx.impl.shard(MLP().to(ctx.device), ctx, plan=PLANS["nested"])
+    oracle = MLP().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLANS["nested"])
     model.inp.set_allocate_memory_from_process_group_for_comm(True)
     try:
         model.inp.set_symm_mem_for_comm()
@@ -90,16 +98,55 @@ def symm_mem_after_pg_allocator(ctx):
             "AssertionError naming ProcessGroupAllocAllGather"
         )
     model.inp.set_allocate_memory_from_process_group_for_comm(False)
+    nccl = dist.is_nccl_available()
+    what = "set_symm_mem_for_comm() after set_allocate_memory_from_process_group_for_comm(False)"
     try:
         model.inp.set_symm_mem_for_comm()
     except AssertionError as exc:
         raise AssertionError(
-            f"{ctx.where()} set_symm_mem_for_comm() after "
-            f"set_allocate_memory_from_process_group_for_comm(False) raised {exc!r}; the unit "
-            "should be back on the default all-gather"
+            f"{ctx.where()} {what} raised {exc!r}; the unit should be back on the default "
+            "all-gather"
         ) from exc
-    except Exception:  # noqa: BLE001, S110 - symmetric memory itself needs NCCL (module note)
-        pass
+    except RuntimeError as exc:
+        if nccl:
+            return  # symmetric memory itself may be unavailable on this machine (module note)
+        assert "NCCL" in str(exc), (
+            f"{ctx.where()} {what} without NCCL: RuntimeError {exc!r} does not name the missing "
+            "allocation backend NCCL"
+        )
+    except Exception as exc:  # noqa: BLE001 - the wrong error is the finding without NCCL
+        if nccl:
+            return
+        raise AssertionError(
+            f"{ctx.where()} {what} without NCCL raised {type(exc).__name__}: {exc}; expected "
+            "RuntimeError naming the missing allocation backend NCCL"
+        ) from exc
+    else:
+        if nccl:
+            return  # symmetric memory set up: its training is an accelerator matter
+        raise AssertionError(
+            f"{ctx.where()} {what} raised nothing although torch has no NCCL "
+            "(dist.is_nccl_available() is False); expected RuntimeError naming the missing "
+            "allocation backend NCCL"
+        )
+    # the refused call left the unit on its default all-gather: training is unchanged
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
+    per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+    per_sample_loss("mlp", oracle(x), y).mean().backward()
+    for name, param in model.named_parameters():
+        expected = chunk_of(
+            oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
+        )
+        assert_close(
+            ctx,
+            f"after the refused set_symm_mem_for_comm(): {name} sharded gradient",
+            param.grad.to_local(),
+            expected,
+            FP32["grad"],
+        )
+    step_and_compare(ctx, model, oracle, opts, 0)
 
 
 class Injected(Exception):
