@@ -89,6 +89,7 @@ FSDP2_NEW_INIT_SWITCH = (
 )
 FSDP1_TENSOR_PARALLEL = "fsdp1-tensor-parallel"  # FSDP1 over DTensor (tensor-parallel) parameters
 FSDP1_NO_SYNC_ORIG_GRADS = "fsdp1-no-sync-orig-grads"  # original .grad inside no_sync()
+FSDP1_UNSAFE_SETATTR = "fsdp1-unsafe-setattr"  # env FSDP_USE_UNSAFE_SETATTR=1 (FSDP1)
 FSDP1_LOCAL_ORIG_PARAMS = "fsdp1-local-orig-params"  # LOCAL_STATE_DICT with use_orig_params=True
 
 ALL_CAPABILITIES = frozenset(
@@ -170,6 +171,9 @@ PROMISES = {
     FSDP1_TENSOR_PARALLEL: "FSDP1 (`use_orig_params=True`, `device_mesh=` the data-parallel "
     "sub-mesh) over a module whose parameters are already DTensors on a tensor-parallel mesh: "
     "trains, saves and loads its state dicts and optimizer state dicts as upstream's FSDP1 + TP",
+    FSDP1_UNSAFE_SETATTR: "with `FSDP_USE_UNSAFE_SETATTR=1` in the environment at construction, "
+    "an FSDP1 unit points its original names at their views without calling the modules' "
+    "`__setattr__` (without it, through `delattr`/`setattr`); nothing else changes",
     FSDP2_SYMM_MEM: "`FSDPModule.set_symm_mem_for_comm()` (symmetric-memory staging buffers) "
     "refuses a unit whose all-gather already uses another allocation strategy (AssertionError "
     "naming that comm's class)",

@@ -56,6 +56,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_TENSOR_PARALLEL,
             base.FSDP1_NO_SYNC_ORIG_GRADS,
             base.FSDP1_LOCAL_ORIG_PARAMS,
+            base.FSDP1_UNSAFE_SETATTR,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -83,6 +83,7 @@ def _reference_fsdp1():
         # refused (docs/adapters.md)
         base.FSDP1_NO_SYNC_ORIG_GRADS,
         base.FSDP1_LOCAL_ORIG_PARAMS,
+        base.FSDP1_UNSAFE_SETATTR,
     }
     return impl
 

@@ -268,10 +268,14 @@ class FlatParamHandle(FlatGradHandling):
     def writeback_replaced_data(self) -> None:
         """use_orig_params=True, before a forward: an original parameter whose ``.data`` the user
         replaced (its storage is no longer the flat parameter's) has its values copied into the
-        flat parameter at its place, and the views are put back (upstream's writeback rule)."""
+        flat parameter at its place, and the views are put back (upstream's writeback rule). A
+        shared name no longer holding its primary's parameter is refused (R93)."""
         if not self._use_orig_params:
             return
         fp = self.flat_param
+        for s in fp._shared_param_infos:
+            if getattr(s.module, s.param_name) is not getattr(s.prim_module, s.prim_param_name):
+                raise NotImplementedError("Changing shared parameters is not supported yet")
         storage = fp.untyped_storage().data_ptr()
         infos = fp._shard_param_infos
         replaced = [

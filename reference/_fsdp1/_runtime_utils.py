@@ -115,7 +115,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
         state.training_state = TrainingState.IDLE
     if torch.is_grad_enabled() and handle.flat_param.requires_grad:
         handle.post_forward(padded)
-        _register_pre_backward_hooks(handle, output)
+        _register_pre_backward_hooks(state, handle, output)
     return output
 
 
@@ -143,10 +143,12 @@ def _read_orig_param(state: _FSDPState, name: str) -> torch.Tensor | None:
     return handle.unflatten(handle.unshard_for_compute())[index]
 
 
-def _register_pre_backward_hooks(handle: Any, output: Any) -> None:
-    """Call ``handle.pre_backward`` when the first gradient w.r.t. an output arrives."""
+def _register_pre_backward_hooks(state: _FSDPState, handle: Any, output: Any) -> None:
+    """Call ``handle.pre_backward`` when the first gradient w.r.t. an output arrives; a backward
+    reaching a module that is not idle (inside ``summon_full_params``) is refused (R90)."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
+        state._assert_idle()
         handle.pre_backward()
         return grad
 

@@ -16,6 +16,7 @@ a weak reference to it. So the state lives exactly as long as its module, and to
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -249,6 +250,12 @@ class FSDPModule:
         """Divide the reduced gradients by ``factor`` instead of the data-parallel size."""
         for group in self._groups(recurse=False):
             group.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`, with the same effect: it warns
+        (``DeprecationWarning`` "Use `set_gradient_divide_factor` instead"), then sets the factor."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         """The parameter groups of this module (and, with ``recurse``, of FSDP submodules)."""

@@ -149,11 +149,17 @@ def train_step_through_hooks(ctx, cls, raf):
     """Training through an all-gather-extension parameter matches the unsharded model: each step's
     loss, the sharded gradient (the oracle's mean-gradient chunk, a plain-tensor DTensor) and, after
     3 SGD steps, the values the pre hook hands to the all-gather (the shard's ``a``) (P14, P6)."""
+    train_through_hooks(ctx, cls, raf)
+
+
+def train_through_hooks(ctx, cls, raf, **shard_kwargs):
+    """Three SGD steps of a ``PairLinear`` of ``cls`` (uneven dim 0) sharded with
+    ``reshard_after_forward=raf`` and ``shard_kwargs``, compared with the unsharded weight."""
     ws, rank = ctx.world_size, ctx.rank
     rows = _rows(ctx, uneven=True)
     module = PairLinear(rows, cls).to(ctx.device)
     oracle = (distinct_values((rows, 3), 0) / 100.0).to(ctx.device).requires_grad_(True)
-    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=raf)
+    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=raf, **shard_kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=0.5, foreach=False)
     oopt = torch.optim.SGD([oracle], lr=0.5)
     g = torch.Generator().manual_seed(3)
