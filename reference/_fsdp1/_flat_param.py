@@ -100,6 +100,8 @@ class _UnshardForCompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_padded: torch.Tensor):
         handle = ctx.handle
+        if grad_padded.requires_grad:  # backward(create_graph=True) through the parameters
+            raise RuntimeError("FSDP does not support gradients of gradients")
         if handle._sync_gradients:
             return handle._reduce_grad(handle._add_unsynced_grad(grad_padded)), None
         # Inside no_sync(): keep the unsharded gradient for the next synced backward; nothing
@@ -174,6 +176,12 @@ class FlatParamHandle(FlatGradHandling):
                 infos.append(ParamInfo(name, sub, module_name))
                 ordered.append(p)
         for info, p in zip(infos, ordered):
+            if not p.is_floating_point():
+                raise ValueError("Cannot flatten integer dtype tensors")
+            if not self._use_orig_params and p.requires_grad != ordered[0].requires_grad:
+                raise ValueError(
+                    "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+                )
             if p.dim() == 0:
                 raise ValueError(
                     f"FSDP cannot flatten the scalar (0-dim) parameter {_fqn(info)}; "

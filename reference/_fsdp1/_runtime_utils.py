@@ -59,6 +59,9 @@ def _lazy_init(state: _FSDPState) -> None:
     """
     if state._lazy_init_done:
         return
+    values = {fsdp._use_orig_params for fsdp in _fsdp_modules(state)}
+    if len(values) > 1:  # the units of one tree share their handling of the original parameters
+        raise ValueError(f"Expects one homogeneous value for _use_orig_params but got {values}")
     for fsdp in _fsdp_modules(state):
         if fsdp._lazy_init_done:
             continue

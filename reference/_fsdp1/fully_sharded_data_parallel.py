@@ -139,12 +139,13 @@ class FullyShardedDataParallel(_FSDPState):
             raise NotImplementedError("The reference FSDP does not implement CPUOffload")
         if ignored_modules is not None and ignored_states is not None:
             raise ValueError("Cannot pass both ignored_modules and ignored_states")
+        if process_group is not None and device_mesh is not None:
+            raise ValueError("Cannot pass both process_group and device_mesh")
         super().__init__()
-        if device_mesh is not None:
-            if device_mesh.ndim != 1:
-                raise NotImplementedError("The reference FSDP supports 1-D device meshes only")
-            process_group = device_mesh.get_group()
-        self.process_group = process_group or dist.distributed_c10d._get_default_group()
+        if device_mesh is not None and device_mesh.ndim != 1:
+            raise NotImplementedError("The reference FSDP supports 1-D device meshes only")
+        group = device_mesh.get_group() if device_mesh is not None else process_group
+        self.process_group = group or dist.distributed_c10d._get_default_group()
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.sharding_strategy = _clamp_strategy(sharding_strategy, self.world_size)

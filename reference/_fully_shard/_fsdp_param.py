@@ -285,9 +285,9 @@ class FSDPParam:
 
     def _setattr_on_modules(self, param: nn.Parameter) -> None:
         info = self._module_info
-        info.module._parameters[info.param_name] = param
+        _setattr_param(info.module, info.param_name, param)
         for module, name in zip(info.shared_modules, info.shared_param_names):
-            module._parameters[name] = param
+            _setattr_param(module, name, param)
 
     def to_sharded_dtensor(self, tensor: torch.Tensor) -> DTensor:
         """Wrap a local tensor of ``sharded_size`` (a shard or a sharded grad) as a DTensor."""
@@ -408,3 +408,12 @@ def _padded_copy(src: torch.Tensor, padded_size: torch.Size, dim: int) -> torch.
     out.narrow(dim, 0, length).copy_(src)
     out.narrow(dim, length, padded_size[dim] - length).zero_()
     return out
+
+
+def _setattr_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>``: through the module's own ``__setattr__`` if its
+    class overrides it, else straight into ``_parameters`` (skipping ``nn.Module``'s checks)."""
+    if type(module).__setattr__ is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
