@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from conformance.adapters import base
 from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.models import expect_error
-from conformance.checks._shared.oracle import FP32, B, assert_close
+from conformance.checks._shared.oracle import FP32, B, assert_close, assert_sharded_grad
 from conformance.checks._shared.rows import chunk_of, chunk_size
 from conformance.checks.fully_shard._subclasses import Pair5
 from conformance.checks.fully_shard.custom_comms import CountingReduceScatter
@@ -264,13 +264,7 @@ def module_setattr_override_used(ctx):
                 f"seen: {sorted({n for _, n in SETATTR_LOG})}"
             )
     for fqn, param in model.named_parameters():
-        assert_close(
-            ctx,
-            f"{fqn} sharded gradient",
-            param.grad.to_local(),
-            chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
-            FP32["grad"],
-        )
+        assert_sharded_grad(ctx, f"{fqn} sharded gradient", param, oracle.get_parameter(fqn).grad)
 
 
 @check(area="training", requires={base.FSDP2_API, base.TRAINING, base.DTENSOR_PARAMS})

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, B, assert_close
-from conformance.checks._shared.rows import chunk_of
+from conformance.checks._shared.oracle import FP32, B, assert_close, assert_sharded_grad
 from conformance.registry import check
 
 REQUIRES = {base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING}
@@ -70,20 +69,15 @@ def inference_mode_forward(ctx, train_after):
         return
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
-    ws, rank = ctx.world_size, ctx.rank
+    rank = ctx.rank
     mine = slice(rank * B, (rank + 1) * B)
     for step in range(2):
         x = _batch(ctx, 70 + step)
         model(x[mine]).square().mean().backward()
         oracle(x).square().mean().backward()
         for fqn, param in model.named_parameters():
-            assert_close(
-                ctx,
-                f"step {step} after inference-mode forwards: {fqn} sharded gradient",
-                param.grad.to_local(),
-                chunk_of(oracle.get_parameter(fqn).grad, 0, ws, rank),
-                FP32["grad"],
-            )
+            what = f"step {step} after inference-mode forwards: {fqn} sharded gradient"
+            assert_sharded_grad(ctx, what, param, oracle.get_parameter(fqn).grad)
         opt.step()
         oopt.step()
         opt.zero_grad()

@@ -44,6 +44,7 @@ from conformance.checks._shared.oracle import (
     PLANS,
     B,
     assert_close,
+    assert_sharded_grad,
     backward_and_compare,
     make_batch,
     make_optimizer,
@@ -136,16 +137,8 @@ def symm_mem_after_pg_allocator(ctx):
     per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
     per_sample_loss("mlp", oracle(x), y).mean().backward()
     for name, param in model.named_parameters():
-        expected = chunk_of(
-            oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-        )
-        assert_close(
-            ctx,
-            f"after the refused set_symm_mem_for_comm(): {name} sharded gradient",
-            param.grad.to_local(),
-            expected,
-            FP32["grad"],
-        )
+        what = f"after the refused set_symm_mem_for_comm(): {name} sharded gradient"
+        assert_sharded_grad(ctx, what, param, oracle.get_parameter(name).grad)
     step_and_compare(ctx, model, oracle, opts, 0)
 
 
