@@ -130,7 +130,10 @@ def forward_order_differs_across_ranks(ctx):
     """R41: built under debug level DETAIL, a first training forward in which rank 0 runs units
     a, b, c and rank 1 runs b, a, c raises RuntimeError on every rank, before any unit's
     all-gather, saying "Forward order differs across ranks" and naming rank 0 with a's parameter
-    FQNs and rank 1 with b's."""
+    FQNs and rank 1 with b's. Ranks with different units: when rank 1's model has a fourth unit
+    d (registered after c) that it runs first while rank 0 runs a first, the first training
+    forward raises it too, rank 0's naming rank 0 with a's FQNs and rank 1 with none (``[]``: d
+    is not among rank 0's units), rank 1's naming rank 0 with a's and rank 1 with d's."""
     oracle = _oracle(ctx)
     with _DetailDebug():
         model = _build(ctx, oracle)
@@ -163,6 +166,45 @@ def forward_order_differs_across_ranks(ctx):
             f"{ctx.where()} RuntimeError {text!r}: expected {who} named with {_fqns(gathers)} "
             f"(the unit it gathers first), not {_fqns(other)}"
         )
+    _extra_unit_on_rank1(ctx)
+
+
+class _WithD(Ordered):
+    """``Ordered`` with a fourth unit d, registered after c."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = nn.Linear(4, 4)
+
+
+def _extra_unit_on_rank1(ctx) -> None:
+    """R41's case of ranks with different units: rank 1 has d too and runs it first."""
+    ctx.seed(0)
+    extra = ctx.rank == 1
+    model = (_WithD() if extra else Ordered()).to(ctx.device)
+    names = ("a", "b", "c", "d") if extra else ("a", "b", "c")
+    with _DetailDebug():
+        model = ctx.impl.shard(model, ctx, plan=[(n, {}) for n in names] + [("", {})])
+    _set_order(model, ("d", "a", "b", "c") if extra else ("a", "b", "c"))
+    what = "rank 1 has a fourth unit d and runs it first, rank 0 runs a first"
+    try:
+        model(_batch(ctx, 0)[:B])
+    except RuntimeError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError(f"{ctx.where()} {what}: no error; expected RuntimeError")
+    head, sep, tail = text.partition("rank 1")
+    ok = f"{ORDER_TEXT} across ranks" in text and sep and "rank 0" in head
+    ok = ok and all(f in head for f in _fqns("a"))
+    if extra:
+        ok = ok and all(f in tail for f in _fqns("d"))
+    else:
+        ok = ok and tail.rstrip().endswith("parameters for []")
+    assert ok, (
+        f"{ctx.where()} {what}: RuntimeError {text!r}; expected '{ORDER_TEXT} across ranks' "
+        f"naming rank 0 with {_fqns('a')} and rank 1 with "
+        f"{_fqns('d') if extra else 'no parameters ([])'}"
+    )
 
 
 def _order_warnings(caught) -> list[str]:

@@ -1,5 +1,5 @@
 """Area "fsdp1_runtime": tied parameters in ``no_sync``, deregistered parameters, first local dict
-(R79-R81).
+(R79-R81, R110).
 
 [Note: original parameters at the edges of a unit's life]
 * With ``use_orig_params=True`` a parameter shared by two modules of one unit (``m[1].weight =
@@ -31,6 +31,7 @@ from conformance.checks._shared.rows import flat_range
 from conformance.checks._shared.sd_models import first_error_everywhere
 from conformance.checks.fsdp1.flat_param_gaps import _kwargs
 from conformance.checks.fsdp1.training import (
+    BF16_TOLS,
     assert_orig_param_grads,
     assert_params_equal_oracle,
 )
@@ -101,6 +102,50 @@ def tied_param_no_sync_grad(ctx):
     opt.step()
     oopt.step()
     assert_params_equal_oracle(ctx, model, oracle, "after the SGD step")
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES | {base.TRAINING, base.FSDP1_NO_SYNC_ORIG_GRADS, base.MIXED_PRECISION},
+    world_sizes=(1, 2),
+)
+def tied_param_no_sync_grad_bf16(ctx):
+    """R110: ``tied_param_no_sync_grad``'s tied model with ``use_orig_params=True``, ``sharding_strategy=NO_SHARD`` and
+    ``MixedPrecision(param_dtype=torch.bfloat16)``: a forward and backward inside ``no_sync()``
+    on rank r's samples completes and gives the tied parameter (by either name) and each bias a
+    gradient of its full shape equal to the unsharded fp32 model's gradient on those samples
+    within bf16 tolerance."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    oracle = _tied().to(ctx.device)
+    model = ns.FullyShardedDataParallel(
+        copy.deepcopy(oracle),
+        use_orig_params=True,
+        sharding_strategy=ns.ShardingStrategy.NO_SHARD,
+        mixed_precision=ns.MixedPrecision(param_dtype=torch.bfloat16),
+        **_kwargs(ctx),
+    )
+    inner = model.module
+    x = _global_batch(ctx, 43)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    with model.no_sync():
+        _loss(model(x[mine]).float()).backward()
+    _loss(oracle(x[mine])).backward()
+    for name in ("0.weight", "1.weight", "0.bias", "1.bias"):
+        grad = inner.get_parameter(name).grad
+        want = oracle.get_parameter(name).grad
+        assert grad is not None, f"{ctx.where()} bf16 no_sync(): {name} has no gradient"
+        assert tuple(grad.shape) == tuple(want.shape), (
+            f"{ctx.where()} bf16 no_sync(): {name}.grad has shape {tuple(grad.shape)}, expected "
+            f"the unsharded {tuple(want.shape)}"
+        )
+        assert_close(
+            ctx,
+            f"bf16 no_sync() gradient of {name} (rank's samples)",
+            grad.float(),
+            want,
+            BF16_TOLS["grad"],
+        )
 
 
 # ------------------------------------------------------------------------------ R80

@@ -34,7 +34,7 @@ def share_comm_ctx_between_roots(ctx):
     ``share_comm_ctx([model[0], model[2]])`` returns None, and 2 training steps through both
     roots give the unsharded model's losses, sharded gradient chunks and values after each SGD
     step; ``share_comm_ctx([model[0], nn.Linear(2, 2)])`` raises ValueError naming the list of
-    FSDPModules."""
+    FSDPModules; ``share_comm_ctx([])`` returns None."""
     ctx.seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(ctx.device)
     oracle = copy.deepcopy(model)
@@ -43,6 +43,8 @@ def share_comm_ctx_between_roots(ctx):
         ns.fully_shard(stage, mesh=ctx.mesh)
     result = ns.share_comm_ctx([model[0], model[2]])
     assert result is None, f"{ctx.where()} share_comm_ctx returned {result!r}, expected None"
+    empty = ns.share_comm_ctx([])
+    assert empty is None, f"{ctx.where()} share_comm_ctx([]) returned {empty!r}, expected None"
     expect_error(
         ctx,
         "share_comm_ctx with a plain nn.Linear in the list",
