@@ -128,9 +128,8 @@ def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.Functi
     functions = _live_functions(module)
     holders = []
     for fn in functions:
-        lines = [ln for _, _, ln in fn.__code__.co_lines() if ln is not None]
-        if lines and fn.__code__.co_firstlineno <= line <= max(lines):
-            holders.append((max(lines) - fn.__code__.co_firstlineno, fn))
+        if (span := _span(fn.__code__, line)) is not None:
+            holders.append((span, fn))
     if not holders:
         raise RuntimeError(f"{NOT_APPLIED}: no function of {module.__name__} holds line {line}")
     _, target = min(holders, key=lambda h: h[0])
@@ -147,13 +146,19 @@ def plan_swap(module, mutated_source: str, line: int) -> list[tuple[types.Functi
     return [(target, code), *_made_closures(module.__name__, target.__code__, code, line)]
 
 
+def _span(code: types.CodeType, line: int) -> int | None:
+    """How many lines ``code`` spans, if its range (first line to last) holds ``line``."""
+    lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+    if lines and code.co_firstlineno <= line <= max(lines):
+        return max(lines) - code.co_firstlineno
+    return None
+
+
 def _innermost(code: types.CodeType, line: int) -> list[types.CodeType]:
     """The chain of code objects nested in ``code`` whose lines hold ``line``, outermost first."""
     for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            lines = [ln for _, _, ln in const.co_lines() if ln is not None]
-            if lines and const.co_firstlineno <= line <= max(lines):
-                return [const, *_innermost(const, line)]
+        if isinstance(const, types.CodeType) and _span(const, line) is not None:
+            return [const, *_innermost(const, line)]
     return []
 
 
@@ -167,12 +172,12 @@ def _made_closures(module_name: str, old: types.CodeType, new: types.CodeType, l
     package = module_name.partition(".")[0] + "."
     with warnings.catch_warnings():  # deprecated module attributes warn when touched
         warnings.simplefilter("ignore")
-        made = [
-            f
+        made = {  # by identity: one function may be reachable from several modules
+            id(f): f
             for name, mod in list(sys.modules.items())
             if name.startswith(package) and isinstance(getattr(mod, "__dict__", None), dict)
             for f in _reachable_functions(mod.__dict__, lambda f: f.__code__ is inner)
-        ]
+        }.values()
     if made and (
         _qualname(inner) != _qualname(mutated) or inner.co_freevars != mutated.co_freevars
     ):

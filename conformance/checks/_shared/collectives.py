@@ -82,3 +82,44 @@ def observe(kind: str):
 def observe_reduce_scatter():
     """Record (as :class:`Collective`) every reduce-scatter issued inside the block."""
     return observe("reduce_scatter")
+
+
+def _numel(value) -> int:
+    """Elements of a tensor, or of every tensor in a (nested) list of them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)):
+        return sum(_numel(v) for v in value)
+    return 0
+
+
+def output_numel(name: str, args, result) -> int:
+    """Elements a collective op wrote: in-place ``c10d`` ops take their output(s) first,
+    functional ones return them."""
+    return _numel(args[0] if name.startswith("c10d.") else result)
+
+
+def is_all_gather(name: str) -> bool:
+    """Whether the dispatcher op ``name`` (``namespace.op``) is an all-gather of any path."""
+    return name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", "")
+
+
+class EventSpy(TorchDispatchMode):
+    """All-gathers, named by their output size (``sizes``: numel -> a unit's name), and matrix
+    products (the ops in ``products``, recorded as "mm"), in dispatch order: what a prefetch
+    schedule check compares with the order its rule gives."""
+
+    def __init__(self, sizes: dict[int, str], products=("aten.mm",)):
+        super().__init__()
+        self.sizes, self.products = sizes, products
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
+        if is_all_gather(name):
+            numel = output_numel(name, args, result)
+            self.events.append(self.sizes.get(numel, f"<gather of {numel}>"))
+        elif name in self.products:
+            self.events.append("mm")
+        return result

@@ -33,10 +33,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
-from conformance.checks._shared.collectives import NAMESPACES
+from conformance.checks._shared.collectives import EventSpy
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import full_params
 from conformance.registry import check
@@ -139,7 +138,7 @@ def forward_order_differs_across_ranks(ctx):
         model = _build(ctx, oracle)
     _set_order(model, ("a", "b", "c") if ctx.rank == 0 else ("b", "a", "c"))
     unit_size = _flat_gather_numel(oracle.a, ctx.world_size)  # a, b and c alike
-    spy = _EventSpy({unit_size: "unit"})
+    spy = EventSpy({unit_size: "unit"}, products=("aten.addmm", "aten.mm"))
     try:
         with spy:
             model(_batch(ctx, 0)[:B])
@@ -282,35 +281,6 @@ def _flat_gather_numel(module: nn.Module, ws: int) -> int:
     return ws * -(-n // ws)
 
 
-def _numel(value) -> int:
-    """Elements of a tensor, or of every tensor in a (nested) list of them (a c10d op's outputs)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel()
-    if isinstance(value, (list, tuple)):
-        return sum(_numel(v) for v in value)
-    return 0
-
-
-class _EventSpy(TorchDispatchMode):
-    """All-gathers (by output size, as the unit's name) and matrix products ("mm"), in dispatch
-    order."""
-
-    def __init__(self, sizes: dict[int, str]):
-        super().__init__()
-        self.sizes = sizes
-        self.events: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
-        if name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", ""):
-            numel = _numel(args[0] if name.startswith("c10d.") else result)
-            self.events.append(self.sizes.get(numel, f"<gather of {numel}>"))
-        elif name in ("aten.addmm", "aten.mm"):
-            self.events.append("mm")
-        return result
-
-
 # A Linear's forward is one addmm; its backward one mm for the weight's gradient and one for the
 # input's when the input requires grad (a's input, the batch, does not).
 FORWARD_MM = {"a": 1, "b": 1, "c": 1}
@@ -357,7 +327,8 @@ def prefetch_order(ctx, prefetch):
     order = ("a", "b", "c")
     what = f"forward_prefetch={prefetch}, backward_prefetch={backward}"
     for step in range(2):
-        fwd, bwd = _EventSpy(sizes), _EventSpy(sizes)
+        products = ("aten.addmm", "aten.mm")
+        fwd, bwd = EventSpy(sizes, products), EventSpy(sizes, products)
         _step(ctx, model, oracle, opts, step, what, fwd, bwd)
         for phase, spy, want in (
             ("forward", fwd, _expected_events(order, prefetch and step > 0, FORWARD_MM)),

@@ -28,11 +28,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
-from conformance.checks._shared.collectives import NAMESPACES
+from conformance.checks._shared.collectives import is_all_gather, output_numel
 from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.oracle import B, make_optimizer, step_and_compare
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.prefetch import _output_numel, gathered_numel
+from conformance.checks.fully_shard.prefetch import gathered_numel
 from conformance.registry import check
 
 HIDDEN = (2, 6, 10)  # block k: dense Linear(4, h) -> tanh -> expert Linear(h, 4)
@@ -86,8 +86,8 @@ class Spy(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
-        if name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", ""):
-            n = _output_numel(name, args, result)
+        if is_all_gather(name):
+            n = output_numel(name, args, result)
             self.log.append(self.sizes.get(n, f"<{n} elements>"))
         return result
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
-from conformance.checks._shared.collectives import NAMESPACES
+from conformance.checks._shared.collectives import is_all_gather, output_numel
 from conformance.checks._shared.oracle import (
     FP32,
     B,
@@ -62,20 +62,6 @@ def gathered_numel(module: nn.Module, ws: int) -> int:
     return total
 
 
-def _numel(value) -> int:
-    """Elements of a tensor, or of every tensor in a (nested) list of them."""
-    if isinstance(value, torch.Tensor):
-        return value.numel()
-    if isinstance(value, (list, tuple)):
-        return sum(_numel(v) for v in value)
-    return 0
-
-
-def _output_numel(name, args, result) -> int:
-    """In-place ``c10d`` ops take the output(s) first; functional ones return them."""
-    return _numel(args[0] if name.startswith("c10d.") else result)
-
-
 class GatherSpy(TorchDispatchMode):
     """Records the output numel of every all-gather op (see the module Note)."""
 
@@ -86,9 +72,8 @@ class GatherSpy(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
-        short = name.replace("_", "")
-        if name.split(".")[0] in NAMESPACES and "allgather" in short:
-            self.sizes.append(_output_numel(name, args, result))
+        if is_all_gather(name):
+            self.sizes.append(output_numel(name, args, result))
         return result
 
 

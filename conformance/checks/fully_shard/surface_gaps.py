@@ -29,10 +29,9 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
-from conformance.checks._shared.collectives import NAMESPACES
+from conformance.checks._shared.collectives import EventSpy
 from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.oracle import (
     FP32,
@@ -43,7 +42,7 @@ from conformance.checks._shared.oracle import (
     step_and_compare,
 )
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.prefetch import UNITS, Chain, _output_numel, gathered_numel
+from conformance.checks.fully_shard.prefetch import UNITS, Chain, gathered_numel
 from conformance.registry import check
 
 REFUSAL = "set_reduce_scatter_max_input_buffers(>1) is not supported with the symmetric-memory"
@@ -147,25 +146,6 @@ def max_input_buffers_recurse(ctx):
         )
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     step_and_compare(ctx, model, oracle, opts, 0)
-
-
-class EventSpy(TorchDispatchMode):
-    """All-gathers (the unit's name, by output size) and ``aten.mm`` ("mm"), in dispatch order."""
-
-    def __init__(self, sizes: dict[int, str]):
-        super().__init__()
-        self.sizes = sizes
-        self.events: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket._qualified_op_name).replace("::", ".")
-        if name.split(".")[0] in NAMESPACES and "allgather" in name.replace("_", ""):
-            numel = _output_numel(name, args, result)
-            self.events.append(self.sizes.get(numel, f"<gather of {numel}>"))
-        elif name == "aten.mm":
-            self.events.append("mm")
-        return result
 
 
 # A Linear's backward: one mm for the weight's gradient, one for the input's when it needs one.
