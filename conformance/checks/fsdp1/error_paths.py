@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import B
+from conformance.checks.fsdp1.knobs import recording_comm_hook
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API}
@@ -167,12 +167,7 @@ def comm_hook_refusals(ctx):
     model(_batch(ctx, 96))
     calls = []
 
-    def hook(state, grad, output=None):
-        calls.append(state)
-        if output is None:
-            dist.all_reduce(grad)
-        else:
-            dist.reduce_scatter_tensor(output, grad)
+    hook = recording_comm_hook(calls)
 
     expect_error(
         ctx,

@@ -136,6 +136,21 @@ def apply_full_params(ctx):
     assert_close(ctx, "forward after apply", model(x[:B]), oracle(x[:B]), FP32["loss"])
 
 
+def recording_comm_hook(calls: list):
+    """A comm hook that records its state in ``calls`` and sums the gradient over the group: an
+    all-reduce for an unsharded unit, a reduce-scatter into ``output`` for a sharded one."""
+    import torch.distributed as dist
+
+    def hook(state, grad, output=None):
+        calls.append(state)
+        if output is None:
+            dist.all_reduce(grad)
+        else:
+            dist.reduce_scatter_tensor(output, grad)
+
+    return hook
+
+
 @check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
 def comm_hook_sum(ctx):
     """R27: ``root.register_comm_hook(state, hook)`` replaces every unit's gradient reduction: a
@@ -145,18 +160,12 @@ def comm_hook_sum(ctx):
     one SGD step then moves every parameter by ``ws`` times the oracle's averaged gradient. A
     second ``register_comm_hook`` on that root raises AssertionError "A communication hook is
     already registered"."""
-    import torch.distributed as dist
 
     model, oracle = _build(ctx, {})
     token = object()
     calls: list[object] = []
 
-    def hook(state, grad, output=None):
-        calls.append(state)
-        if output is None:
-            dist.all_reduce(grad)
-        else:
-            dist.reduce_scatter_tensor(output, grad)
+    hook = recording_comm_hook(calls)
 
     model.register_comm_hook(token, hook)
     units = ctx.impl.ns.FullyShardedDataParallel.fsdp_modules(model)

@@ -57,6 +57,20 @@ def _tied() -> nn.Sequential:
     return m
 
 
+def _assert_no_sync_grads(ctx, inner, local, what, tol) -> None:
+    """Inside ``no_sync()`` every original parameter of the tied model (by either name of the
+    tied one) has a gradient of its full shape equal to ``local``'s (compared in fp32)."""
+    for name in ("0.weight", "1.weight", "0.bias", "1.bias"):
+        grad = inner.get_parameter(name).grad
+        want = local.get_parameter(name).grad
+        assert grad is not None, f"{ctx.where()} {what}: {name} has no gradient"
+        assert tuple(grad.shape) == tuple(want.shape), (
+            f"{ctx.where()} {what}: {name}.grad has shape {tuple(grad.shape)}, expected the "
+            f"unsharded {tuple(want.shape)}"
+        )
+        assert_close(ctx, f"{what} gradient of {name} (rank's samples)", grad.float(), want, tol)
+
+
 @check(
     area="fsdp1_runtime",
     requires=REQUIRES | {base.TRAINING, base.FSDP1_NO_SYNC_ORIG_GRADS},
@@ -82,17 +96,7 @@ def tied_param_no_sync_grad(ctx):
         _loss(model(x[mine])).backward()
     local = copy.deepcopy(oracle)
     _loss(local(x[mine])).backward()
-    for name in ("0.weight", "1.weight", "0.bias", "1.bias"):
-        grad = inner.get_parameter(name).grad
-        want = local.get_parameter(name).grad
-        assert grad is not None, f"{ctx.where()} no_sync(): {name} has no gradient"
-        assert tuple(grad.shape) == tuple(want.shape), (
-            f"{ctx.where()} no_sync(): {name}.grad has shape {tuple(grad.shape)}, expected the "
-            f"unsharded {tuple(want.shape)}"
-        )
-        assert_close(
-            ctx, f"no_sync() gradient of {name} (rank's samples)", grad, want, FP32["grad"]
-        )
+    _assert_no_sync_grads(ctx, inner, local, "no_sync()", FP32["grad"])
 
     _loss(model(y[mine])).backward()
     (_loss(oracle(x)) + _loss(oracle(y))).backward()
@@ -131,21 +135,7 @@ def tied_param_no_sync_grad_bf16(ctx):
     with model.no_sync():
         _loss(model(x[mine]).float()).backward()
     _loss(oracle(x[mine])).backward()
-    for name in ("0.weight", "1.weight", "0.bias", "1.bias"):
-        grad = inner.get_parameter(name).grad
-        want = oracle.get_parameter(name).grad
-        assert grad is not None, f"{ctx.where()} bf16 no_sync(): {name} has no gradient"
-        assert tuple(grad.shape) == tuple(want.shape), (
-            f"{ctx.where()} bf16 no_sync(): {name}.grad has shape {tuple(grad.shape)}, expected "
-            f"the unsharded {tuple(want.shape)}"
-        )
-        assert_close(
-            ctx,
-            f"bf16 no_sync() gradient of {name} (rank's samples)",
-            grad.float(),
-            want,
-            BF16_TOLS["grad"],
-        )
+    _assert_no_sync_grads(ctx, inner, oracle, "bf16 no_sync()", BF16_TOLS["grad"])
 
 
 # ------------------------------------------------------------------------------ R80
