@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": ``clip_grad_norm_`` at the edges of its arguments (R2).
+"""Area "fsdp1_runtime": ``clip_grad_norm_`` at the edges of its arguments (R2, R89).
 
 Two survivors of the mutation campaign (``conformance/mutation/triage.toml``) showed what the
 main clipping check (``clip_grad_norm.py``, [Note: the clipping oracle]) cannot see:
@@ -13,6 +13,10 @@ main clipping check (``clip_grad_norm.py``, [Note: the clipping oracle]) cannot 
 
 The expected norm and gradients come from ``torch.nn.utils.clip_grad_norm_`` on the unsharded
 gradients reassembled from every rank's shards (the same oracle as the main check).
+
+[Note: max_norm as float() takes it]
+``clip_grad_norm_`` on sharded units takes ``max_norm`` as anything ``float()`` accepts (the
+string ``"0.5"``), as ``torch.nn.utils.clip_grad_norm_`` does (R89).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import copy
 import math
 
 import torch
+from torch import nn
 
+from conformance.checks._shared.fsdp1_setup import _global_batch
 from conformance.checks._shared.oracle import (
     MODELS,
     PLANS,
@@ -78,4 +84,32 @@ def clip_grad_norm_argument_edges(ctx, norm, given, target):
             after[name],
             want[name],
             REL_TOL,
+        )
+
+
+# ------------------------------------------------------------------------------ R89
+@check(area="fsdp1_runtime", requires=CLIP, world_sizes=(2,))
+def clip_grad_max_norm_as_string(ctx):
+    """R89: FULL_SHARD at ws 2, one unit over ``Sequential(Linear(4, 8), Linear(8, 4))``, a
+    backward on rank r's samples: ``clip_grad_norm_("0.5")`` returns the total norm and leaves the
+    gradients that ``torch.nn.utils.clip_grad_norm_(grads, 0.5)`` gives on the unsharded
+    model's gradients (reassembled from every rank's shards)."""
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)).to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx)
+    x = _global_batch(ctx, 89) * 4  # gradients well above the max_norm
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    model(x[mine]).square().sum(dim=1).mean().backward()
+    oracle(x).square().sum(dim=1).mean().backward()
+    before = full_grads(ctx, model, oracle, use_orig_params=False)
+    want_norm, want = oracle_clip(before, 0.5, 2.0)
+    assert want_norm.item() > 0.5, f"{ctx.where()} test setup: total norm {want_norm.item()}"
+    got_norm = model.clip_grad_norm_("0.5")
+    assert_close(
+        ctx, 'clip_grad_norm_("0.5"): total norm', got_norm.reshape(()), want_norm, REL_TOL
+    )
+    after = full_grads(ctx, model, oracle, use_orig_params=False)
+    for name in want:
+        assert_close(
+            ctx, f'clip_grad_norm_("0.5"): {name} gradient', after[name], want[name], REL_TOL
         )

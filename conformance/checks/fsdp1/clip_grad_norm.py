@@ -1,4 +1,5 @@
-"""Area "fsdp1_runtime": ``FullyShardedDataParallel.clip_grad_norm_`` (R2).
+"""Area "fsdp1_runtime": ``FullyShardedDataParallel.clip_grad_norm_`` (R2), also on a tree that
+mixes a NO_SHARD unit with a FULL_SHARD root (R56).
 
 [Note: the clipping oracle]
 Gradient clipping over a sharded model must give what ``torch.nn.utils.clip_grad_norm_`` gives
@@ -19,6 +20,9 @@ order; with ``use_orig_params=True`` each original parameter's 1-D gradient view
 offset and summed over ranks. The returned norm is a tensor in the gradients' dtype (fp32, or the
 low precision dtype with ``keep_low_precision_grads``). On a non-root FSDP module the call raises
 ``RuntimeError`` saying it should only be called on the root.
+
+On a tree mixing a NO_SHARD unit under a FULL_SHARD root the NO_SHARD gradient counts once;
+before any backward the call returns 0 with a UserWarning naming "no gradients" (R56).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from conformance.adapters import base
 from conformance.checks._shared.oracle import (
+    FP32,
     MODELS,
     PLANS,
     B,
@@ -39,6 +45,7 @@ from conformance.checks._shared.oracle import (
     make_batch,
     per_sample_loss,
 )
+from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.checks.fsdp1.training import flat_grads
 from conformance.registry import check
 
@@ -197,3 +204,48 @@ def _promoted_grad_dtype(ctx, model, orig: bool) -> torch.dtype:
         grads = [g for _, g in flat_grads(ctx, model) if g is not None]
     dtypes = [g.dtype for g in grads] or [torch.float32]
     return functools.reduce(torch.promote_types, dtypes)
+
+
+@check(
+    area="fsdp1_runtime",
+    requires={base.FLAT_PARAM, base.FSDP1_RUNTIME, base.TRAINING},
+    world_sizes=(2,),
+)
+def clip_grad_norm_mixed_strategies(ctx):
+    """R56: ``InnerHeadNet`` with ``inner`` a NO_SHARD unit under a FULL_SHARD root: before any
+    backward ``root.clip_grad_norm_(1.0)`` returns 0 in fp32 with a UserWarning naming "no
+    gradients" and leaves every gradient None; after a backward ``clip_grad_norm_(1e6)`` returns
+    the unsharded gradients' 2-norm (the NO_SHARD gradient counted once, nothing clipped),
+    ``clip_grad_norm_(0.05, norm_type=inf)`` their largest entry, and an SGD step on the clipped gradients equals the unsharded model's after
+    ``torch.nn.utils.clip_grad_norm_(..., 0.05, inf)``."""
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    no_shard = {"sharding_strategy": ctx.impl.ns.ShardingStrategy.NO_SHARD}
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", no_shard), ("", {})])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = model.clip_grad_norm_(1.0)
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any("no gradients" in t for t in texts), (
+        f"{ctx.where()} clip_grad_norm_ without gradients warned {texts}, expected 'no gradients'"
+    )
+    assert total.dtype == torch.float32 and float(total) == 0.0, (
+        f"{ctx.where()} clip_grad_norm_ without gradients returned {total!r}, expected 0 (fp32)"
+    )
+    assert all(p.grad is None for p in model.parameters()), f"{ctx.where()} a gradient appeared"
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+    (model(x[ctx.rank * B : (ctx.rank + 1) * B]) ** 2).sum().div(B).backward()
+    (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+    total = model.clip_grad_norm_(1e6)  # the 2-norm, nothing clipped
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e6)
+    assert_close(ctx, "2-norm total (the NO_SHARD gradient counted once)", total, ref, FP32["grad"])
+    total = model.clip_grad_norm_(0.05, norm_type=math.inf)
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.05, norm_type=math.inf)
+    assert_close(ctx, "inf-norm total", total, ref, FP32["grad"])
+    assert float(ref) > 0.05, f"{ctx.where()} test setup: the gradients need clipping ({ref})"
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    torch.optim.SGD(oracle.parameters(), lr=0.5).step()
+    got = full_params(ctx, model)
+    for name, p in oracle.named_parameters():
+        assert_close(ctx, f"{name} after a clipped step", got[name], p, FP32["param"])

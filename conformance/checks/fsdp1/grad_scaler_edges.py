@@ -1,4 +1,4 @@
-"""Area "fsdp1_runtime": the edges of FSDP1's ``ShardedGradScaler`` (R50, R51).
+"""Area "fsdp1_runtime": the edges of FSDP1's ``ShardedGradScaler`` (R50, R51, R101).
 
 [Note: what a scaler promises beyond one finite step]
 ``scale`` takes a tensor or any nesting of lists and tuples of tensors and gives the same nesting
@@ -9,7 +9,9 @@ back untouched. The per-iteration protocol is ``unscale_`` at most once per opti
 records of every optimizer (one non-finite value anywhere backs S off), counts finite iterations
 towards ``growth_interval`` and takes an explicit ``new_scale`` (a float, or a one-element tensor
 without grad on the scaler's device) instead. The oracle is the rule itself (S computed by hand,
-the unsharded model stepped with the unscaled gradient or not stepped).
+the unsharded model stepped with the unscaled gradient or not stepped). A ``new_scale`` tensor
+off the scaler's device is refused as ``init_errors.py``'s [Note: refusals are contracts] says
+(R101).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import copy
 import importlib
 
 import torch
+from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import REQUIRES as FSDP1_REQUIRES
+from conformance.checks._shared.fsdp1_setup import _batch, _kwargs
 from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import InnerHeadNet, full_params
@@ -181,3 +186,33 @@ def grad_scaler_protocol(ctx):
             lambda b=bad: scaler.update(b),
         )
     _scale_is(ctx, scaler, 32.0, "after the refused updates")
+
+
+# ------------------------------------------------------------------------------ R101
+@check(
+    area="fsdp1_runtime",
+    requires=FSDP1_REQUIRES | {base.FSDP1_GRAD_SCALER},
+    world_sizes=(1,),
+)
+def grad_scaler_new_scale_device_refused(ctx):
+    """R101: ``ShardedGradScaler(device=<the compute device's type>, init_scale=4.0)`` after
+    ``scale(loss).backward()`` and ``step``: ``update(new_scale=<a 1-element tensor on the meta
+    device>)`` raises AssertionError "new_scale should be a float or a 1-element ..."; the scale
+    stays 4.0."""
+    mod = importlib.import_module(f"{ctx.impl.ns.__name__}.sharded_grad_scaler")
+    scaler = mod.ShardedGradScaler(device=ctx.device.type, init_scale=4.0)
+    ctx.seed(0)
+    model = ctx.impl.ns.FullyShardedDataParallel(nn.Linear(4, 4).to(ctx.device), **_kwargs(ctx))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(_batch(ctx, 101)).sum()).backward()
+    scaler.step(opt)
+    expect_error(
+        ctx,
+        "update(new_scale=<meta tensor>)",
+        AssertionError,
+        r"new_scale should be a float or a 1-element",
+        lambda: scaler.update(new_scale=torch.tensor([2.0], device="meta")),
+    )
+    assert scaler.get_scale() == 4.0, (
+        f"{ctx.where()} after the refused update the scale is {scaler.get_scale()}, expected 4.0"
+    )

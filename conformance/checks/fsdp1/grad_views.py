@@ -1,5 +1,5 @@
 """Area "fsdp1_runtime": the original parameters' gradients around dtype changes, ``no_sync()``
-and ``summon_full_params(with_grads=True)`` (R71-R73).
+and ``summon_full_params(with_grads=True)`` (R71-R73, R88).
 
 [Note: gradient views after the unusual steps]
 * ``model.to(torch.float64)`` after wrapping, on units whose ``MixedPrecision`` names only
@@ -13,6 +13,9 @@ and ``summon_full_params(with_grads=True)`` (R71-R73).
 * After a backward inside ``no_sync()`` each rank holds its own unreduced, unsharded gradient,
   which is not a shard: ``summon_full_params(with_grads=True)`` either refuses it with
   AssertionError (upstream, before any collective) or shows that very local gradient (R73).
+* ``summon_full_params(with_grads=True)`` on a unit none of whose ranks holds a gradient shows no
+  gradient on any original parameter, even one whose ``.grad`` the user assigned while it holds
+  no element on its rank (such a gradient carries nothing into the flat gradient) (R88).
 The model is ``TwoUnits`` (``inner`` its own unit, the root owning ``head``); each rank feeds its
 own samples of one global batch, scaled so the rank average is the oracle's global gradient.
 """
@@ -22,8 +25,10 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import REQUIRES as FSDP1_REQUIRES
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks.fsdp1.summon_full_params import TwoUnits, visible
 from conformance.checks.fsdp1.training import assert_orig_param_grads
@@ -165,3 +170,30 @@ def summon_with_grads_after_no_sync(ctx):
         grad, what = got[name], f"summon(with_grads) after no_sync: {name}.grad"
         assert grad is not None, f"{ctx.where()} {what} is None"
         assert_close(ctx, what, grad, ref.grad, FP32["grad"])
+
+
+# ------------------------------------------------------------------------------ R88
+@check(area="fsdp1_runtime", requires=FSDP1_REQUIRES | {base.FSDP1_RUNTIME}, world_sizes=(2,))
+def summon_with_grads_none_anywhere(ctx):
+    """R88: ``use_orig_params=True``, FULL_SHARD, one unit over ``Sequential(Linear(4, 4,
+    bias=False), Linear(4, 4, bias=False))`` (rank 0's shard holds ``0.weight``, rank 1's
+    ``1.weight``), before any backward: rank 0 sets ``1.weight.grad`` to an empty tensor of its
+    (empty) local shape; inside ``summon_full_params(with_grads=True)`` every original
+    parameter's ``.grad`` is None on every rank (no rank's unit holds a gradient)."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    ctx.seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    model = ctx.impl.shard(plain.to(ctx.device), ctx, use_orig_params=True)
+    inner = model.module
+    if ctx.rank == 0:
+        p = inner[1].weight
+        assert p.numel() == 0, (
+            f"{ctx.where()} test setup: 1.weight holds {p.numel()} elements on rank 0, expected 0"
+        )
+        p.grad = torch.zeros_like(p)
+    with fsdp.summon_full_params(model, with_grads=True):
+        held = {n: tuple(p.grad.shape) for n, p in inner.named_parameters() if p.grad is not None}
+    assert not held, (
+        f"{ctx.where()} summon_full_params(with_grads=True) with no gradient on any rank's unit: "
+        f"gradients {held}, expected every .grad None"
+    )

@@ -1,14 +1,37 @@
-"""Area "fsdp1_runtime": what FSDP1's constructor says about its arguments (R30-R32)."""
+"""Area "fsdp1_runtime": what FSDP1's constructor says about its arguments (R30-R32) and which
+arguments it refuses (R56, R67, R83, R95).
+
+[Note: refusals are contracts]
+Each refusal is pinned by its exception type and a stable part of its message (upstream's
+wording), and where it is cheap the check also shows that the refused call changed nothing: the
+module keeps its parameters, a later valid call still succeeds, the settings stay as they were.
+The other FSDP1 refusals of this kind are in ``backward.py`` (R98), ``comm_hooks.py`` (R96),
+``root_init.py`` (R97), ``grad_scaler_edges.py`` (R101) and, for the state-dict and
+optimizer-state ones (R99, R100, R102, R103), ``conformance/checks/state_dict/optim_refusals.py``.
+
+[Note: the constructor's refusals]
+* The constructor refuses a scalar parameter and an FSDP unit among ``ignored_modules``, and warns
+  when the module itself is ignored (R56).
+* ``ignored_modules`` that FSDP1 cannot hold as a set of modules (an int, a list with an unhashable
+  module) is refused with TypeError (R67).
+* ``device_id`` names the compute device; when the module's parameters are not there after
+  construction moved and materialised them (a meta module whose ``param_init_fn`` does nothing),
+  or when the CPU is named with an index (``cpu:0``, which is not the CPU compute device ``cpu``),
+  construction is refused with ValueError naming both devices (R83).
+"""
 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import torch
+from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks._shared.models import expect_error
+from conformance.checks._shared.oracle import FP32, B, assert_close
 from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.registry import check
 
@@ -94,3 +117,234 @@ def hybrid_shard_bad_groups(ctx, bad):
         ) from e
     else:
         raise AssertionError(f"{ctx.where()} HYBRID_SHARD with a bad {bad} was accepted")
+
+
+# ------------------------------------------------------------------------------ R67
+class _Unhashable(nn.Linear):
+    """A Linear that defines ``__eq__`` alone, so Python makes its instances unhashable."""
+
+    def __eq__(self, other):
+        return self is other
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1,))
+def ignored_modules_not_a_module_set(ctx):
+    """R67: ``ignored_modules`` that FSDP1 cannot hold as a set of modules is refused at
+    construction with TypeError: an int (not iterable) with a message naming ``int``, a list
+    holding an unhashable module (its class defines ``__eq__`` alone) with a message naming
+    ``ignored_modules``."""
+    ns = ctx.impl.ns
+    for what, bad, pattern in (
+        ("ignored_modules=3", 3, r"\bint\b"),
+        ("ignored_modules=[an unhashable Linear]", [_Unhashable(4, 4)], r"ignored_modules"),
+    ):
+        expect_error(
+            ctx,
+            what,
+            TypeError,
+            pattern,
+            lambda bad=bad: ns.FullyShardedDataParallel(
+                nn.Linear(4, 4).to(ctx.device), ignored_modules=bad, **_kwargs(ctx)
+            ),
+        )
+
+
+def _compute_device(ctx) -> torch.device:
+    """The compute device with its index where it has one (``cuda:0``; the CPU is ``cpu``)."""
+    if ctx.device.type == "cpu":
+        return torch.device("cpu")
+    if ctx.device.index is not None:
+        return ctx.device
+    return torch.device(ctx.device.type, torch.get_device_module(ctx.device.type).current_device())
+
+
+# ------------------------------------------------------------------------------ R83
+DEVICE_CASES = {"meta-left": {"meta": True}, "cpu-with-index": {"meta": False}}
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, cases=DEVICE_CASES, world_sizes=(1,))
+def device_id_inconsistent(ctx, meta):
+    """R83: construction is refused with ValueError whose message says the compute device and
+    ``device_id`` are inconsistent and names both: ``meta-left``, a ``Linear(3, 3)`` built on the
+    meta device with ``param_init_fn=lambda m: None`` (so its parameters stay on meta) and
+    ``device_id`` the compute device; ``cpu-with-index`` (CPU only), a ``Linear(3, 3)`` on the CPU
+    with ``device_id=torch.device("cpu", 0)`` (the CPU compute device is ``cpu``, no index)."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    if meta:
+        device_id, held = _compute_device(ctx), torch.device("meta")
+        with torch.device("meta"):
+            module = nn.Linear(3, 3)
+        options = {"param_init_fn": lambda m: None}
+    else:
+        if ctx.device.type != "cpu":
+            return  # the case is about the CPU named with an index
+        device_id, held = torch.device("cpu", 0), torch.device("cpu")
+        module, options = nn.Linear(3, 3), {}
+    pattern = rf"(?is)inconsistent.*{re.escape(str(held))}\b.*{re.escape(str(device_id))}\b"
+    expect_error(
+        ctx,
+        f"parameters on {held} with device_id={device_id}",
+        ValueError,
+        pattern,
+        lambda: fsdp(module, device_id=device_id, **options),
+    )
+
+
+# ------------------------------------------------------------------------------ R95
+def _int_param(ctx):
+    m = nn.Module()
+    m.p = nn.Parameter(torch.ones(4, dtype=torch.int64, device=ctx.device), requires_grad=False)
+    return m, {}
+
+
+def _mixed_requires_grad(ctx):
+    m = nn.Linear(4, 4).to(ctx.device)
+    m.weight.requires_grad_(False)
+    return m, {"use_orig_params": False}
+
+
+def _both_ignored(ctx):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(ctx.device)
+    return m, {"ignored_modules": [m[0]], "ignored_states": [m[1]]}
+
+
+def _init_fn_not_callable(ctx):
+    return nn.Linear(4, 4, device="meta"), {"param_init_fn": 5}
+
+
+def _group_and_mesh(ctx):
+    mesh = ctx.make_mesh((ctx.world_size,), ("shard",))
+    return nn.Linear(4, 4).to(ctx.device), {"process_group": mesh.get_group(), "device_mesh": mesh}
+
+
+CONSTRUCTOR_CASES = {
+    "integer_param": {
+        "build": _int_param,
+        "exc": ValueError,
+        "pattern": r"Cannot flatten integer dtype tensors",
+    },
+    "mixed_requires_grad": {
+        "build": _mixed_requires_grad,
+        "exc": ValueError,
+        "pattern": r"uniform `requires_grad` when `use_orig_params=False`",
+    },
+    "ignored_modules_and_states": {
+        "build": _both_ignored,
+        "exc": ValueError,
+        "pattern": r"Cannot pass both ignored_modules and ignored_states",
+    },
+    "param_init_fn_not_callable": {
+        "build": _init_fn_not_callable,
+        "exc": ValueError,
+        "pattern": r"to be callable but got <class 'int'>",
+    },
+    "process_group_and_mesh": {
+        "build": _group_and_mesh,
+        "exc": ValueError,
+        "pattern": r"Cannot pass both process_group and device_mesh",
+    },
+}
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, cases=CONSTRUCTOR_CASES, world_sizes=(1,))
+def constructor_argument_refusals(ctx, build, exc, pattern):
+    """R95: ``FullyShardedDataParallel(module, ...)`` refuses, with ValueError and upstream's
+    words, a module holding an integer parameter ("Cannot flatten integer dtype tensors"), a
+    Linear whose weight alone is frozen under ``use_orig_params=False`` ("uniform
+    `requires_grad` when `use_orig_params=False`"), both ``ignored_modules`` and
+    ``ignored_states`` ("Cannot pass both ignored_modules and ignored_states"), a
+    ``param_init_fn`` that is not callable ("... to be callable but got <class 'int'>") and both
+    ``process_group`` and ``device_mesh`` ("Cannot pass both process_group and device_mesh").
+    The refused module keeps its parameters: the same names, objects and values, and no child
+    ``_fsdp_wrapped_module``."""
+    module, kwargs = build(ctx)
+    before = {n: (p, p.detach().clone()) for n, p in module.named_parameters()}
+    expect_error(
+        ctx,
+        f"FSDP(module, {sorted(kwargs)})",
+        exc,
+        pattern,
+        lambda: ctx.impl.ns.FullyShardedDataParallel(module, **kwargs, **_kwargs(ctx)),
+    )
+    after = dict(module.named_parameters())
+    assert list(after) == list(before), (
+        f"{ctx.where()} after the refused construction the parameter names are {list(after)}, "
+        f"were {list(before)}"
+    )
+    assert "_fsdp_wrapped_module" not in dict(module.named_children()), (
+        f"{ctx.where()} the refused construction left a wrapped child in the module"
+    )
+    for name, (param, value) in before.items():
+        assert after[name] is param, f"{ctx.where()} {name} was replaced by the refused call"
+        if not value.is_meta:
+            assert torch.equal(after[name].detach(), value), (
+                f"{ctx.where()} {name} changed value in the refused construction"
+            )
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.FSDP1_HYBRID_SHARD}, world_sizes=(1,))
+def hybrid_shard_without_group_refused(ctx):
+    """R95: ``sharding_strategy=HYBRID_SHARD`` with neither ``process_group`` nor
+    ``device_mesh`` nor an ``auto_wrap_policy`` is refused with ValueError "... requires explicit
+    specification of process group or device_mesh"."""
+    ns = ctx.impl.ns
+    expect_error(
+        ctx,
+        "HYBRID_SHARD without a process group or mesh",
+        ValueError,
+        r"requires explicit specification of process group or device_mesh",
+        lambda: ns.FullyShardedDataParallel(
+            nn.Linear(4, 4).to(ctx.device),
+            sharding_strategy=ns.ShardingStrategy.HYBRID_SHARD,
+            **_kwargs(ctx),
+        ),
+    )
+
+
+class _ScalarGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.gain = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1,))
+def constructor_refusals(ctx):
+    """R56: a module holding a 0-dim parameter ``gain`` is refused with ValueError naming
+    ``gain`` as scalar; an FSDP unit among ``ignored_modules`` is refused with ValueError "should
+    not include FSDP modules"; ignoring the wrapped module itself warns (UserWarning "top-level
+    module"), the forward then equal to the unwrapped module's."""
+    fsdp = ctx.impl.FSDP
+    dev = {"device_id": ctx.device}
+    expect_error(
+        ctx,
+        "a scalar parameter",
+        ValueError,
+        r"(?i)scalar.*gain|gain.*scalar",
+        lambda: fsdp(_ScalarGain().to(ctx.device), **dev),
+    )
+    ctx.seed(0)
+    inner = fsdp(nn.Linear(4, 4).to(ctx.device), **dev)
+    outer = nn.Sequential(inner, nn.Linear(4, 2)).to(ctx.device)
+    expect_error(
+        ctx,
+        "ignored_modules=[an FSDP unit]",
+        ValueError,
+        "should not include FSDP modules",
+        lambda: fsdp(outer, ignored_modules=[inner], **dev),
+    )
+    plain = nn.Linear(4, 3).to(ctx.device)
+    ref = copy.deepcopy(plain)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fsdp(plain, ignored_modules=[plain], **dev)
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any("top-level module" in t for t in texts), (
+        f"{ctx.where()} ignoring the wrapped module itself gave the warnings {texts}, expected one "
+        "naming the top-level module"
+    )
+    x = torch.randn(B, 4, generator=torch.Generator().manual_seed(2)).to(ctx.device)
+    assert_close(ctx, "forward with everything ignored", model(x), ref(x), FP32["loss"])

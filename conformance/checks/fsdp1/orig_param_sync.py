@@ -1,4 +1,5 @@
-"""Area "fsdp1_runtime": original parameters, device moves, subclass sync and sparse unscale (R75-R78).
+"""Area "fsdp1_runtime": original parameters, device moves, subclass sync and sparse unscale
+(R75-R78), and the flat parameter of frozen original parameters in a first LOCAL state dict (R81).
 
 [Note: the flat parameter follows its original parameters]
 * With ``use_orig_params=True`` the original parameters are views into the flat parameter, and
@@ -13,6 +14,11 @@
   per rank (R77).
 * ``ShardedGradScaler.unscale_`` handles a sparse float32 gradient (``nn.Embedding(sparse=True)``)
   like a dense one: the gradient stays float32 (and sparse) and is divided by the scale (R78).
+* A ``LOCAL_STATE_DICT`` taken as the very first use of a unit whose original parameters were all
+  frozen after wrapping holds a flat shard that does not require grad (the flat parameter follows
+  its original parameters, R75, from the state dict on, not only from the next forward), with S7's
+  values: elements ``[r*ceil(N/ws), ...)`` of the parameters flattened in registration order
+  (R81).
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs, _x
 from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks.fsdp1.flat_param_gaps import _kwargs, _x
+from conformance.checks._shared.rows import flat_range
+from conformance.checks._shared.sd_models import first_error_everywhere
 from conformance.checks.fsdp1.training import assert_orig_param_grads
 from conformance.registry import check
 
@@ -198,3 +206,44 @@ def grad_scaler_sparse_unscale(ctx):
         f"{ctx.where()} unscale_ turned a float32 sparse gradient into {grad.dtype}"
     )
     assert_close(ctx, "sparse gradient after unscale_", grad.to_dense(), want, FP32["grad"])
+
+
+# ------------------------------------------------------------------------------ R81
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES | {base.LOCAL_STATE_DICT, base.FSDP1_LOCAL_ORIG_PARAMS},
+    world_sizes=(2,),
+)
+def local_state_dict_first_frozen(ctx):
+    """R81: ``use_orig_params=True``, one unit over ``Sequential(Linear(4, 4), Linear(4, 4))``,
+    every original parameter frozen after wrapping; a LOCAL state dict as the unit's first use:
+    ``_flat_param``'s local shard does not require grad and equals elements
+    ``[r*ceil(N/ws), min((r+1)*ceil(N/ws), N))`` of the parameters flattened in registration
+    order (N = 40)."""
+    ctx.seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(plain), ctx, use_orig_params=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, "local"))
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in plain.parameters()])
+    start, end, _ = flat_range(flat.numel(), ctx.world_size, ctx.rank)
+    entry = sd.get("_flat_param")
+    assert entry is not None and hasattr(entry, "local_shards"), (
+        f"{ctx.where()} _flat_param: {type(entry).__name__}, expected a ShardedTensor "
+        f"(keys {sorted(sd)})"
+    )
+    shards = entry.local_shards()
+    assert len(shards) == (1 if end > start else 0), (
+        f"{ctx.where()} _flat_param: {len(shards)} local shard(s) for elements {start}:{end}"
+    )
+    for shard in shards:
+        local = shard.tensor
+        assert not local.requires_grad, (
+            f"{ctx.where()} every parameter frozen before the first state_dict(), yet the local "
+            "flat shard requires grad"
+        )
+        assert torch.equal(local.detach().cpu(), flat[start:end]), (
+            f"{ctx.where()} _flat_param local shard {local.detach().cpu().tolist()[:6]}..., "
+            f"expected elements {start}:{end} of the flattened parameters"
+        )

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks.fsdp1.error_paths import _kwargs
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API, base.SHARDED_STATE_DICT}

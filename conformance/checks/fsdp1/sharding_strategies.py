@@ -1,5 +1,6 @@
 """Area "training", flat-parameter half: FSDP1's sharding strategies other than FULL_SHARD (R19,
-R20) and sharding over a given ``process_group`` (R22).
+R20) and sharding over a given ``process_group`` (R22); area "fsdp1_runtime": HYBRID_SHARD's
+default groups when neither ``process_group`` nor ``device_mesh`` is given (R56).
 
 [Note: what each strategy keeps between forward and backward]
 A unit's flat parameter of N elements is split over the ranks of its *shard group*: all ranks
@@ -263,3 +264,48 @@ def process_group_subgroups(ctx):
             o.step()
             o.zero_grad()
     _assert_layout(ctx, model, oracle, 2, "after two steps (vs the pair's own oracle)")
+
+
+@check(
+    area="fsdp1_runtime",
+    requires={base.FLAT_PARAM, base.FSDP1_API, base.FSDP1_HYBRID_SHARD, base.TRAINING},
+    world_sizes=(2,),
+)
+def hybrid_shard_default_groups(ctx):
+    """R56: ``sharding_strategy=HYBRID_SHARD`` on every unit of ``InnerHeadNet`` (``inner`` its
+    own unit) with neither ``process_group`` nor ``device_mesh``: a node is ``D`` consecutive
+    ranks, ``D`` the device count of the compute device type (1 on the CPU), and each unit shards
+    over its node and replicates across nodes, so every rank holds ``ceil(N/D)`` elements of each
+    flat parameter (inner 30, root 21) and two SGD steps on the global batch equal the unsharded
+    model's."""
+    from conformance.registry import Skip
+
+    per_node = getattr(torch, ctx.device.type).device_count()
+    if per_node < 1 or ctx.world_size % per_node:
+        raise Skip(f"{ctx.world_size} ranks do not fill whole nodes of {per_node} devices")
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    hybrid = {"sharding_strategy": ctx.impl.ns.ShardingStrategy.HYBRID_SHARD}
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", hybrid), ("", hybrid)])
+    units = ctx.impl.FSDP.fsdp_modules(model)
+    sizes = sorted(u._flat_param.numel() for u in units)
+    want = sorted(math.ceil(n / per_node) for n in (30, 21))
+    assert sizes == want, (
+        f"{ctx.where()} flat parameters of {sizes} elements, expected {want} (sharded over "
+        f"nodes of {per_node} ranks)"
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        g = torch.Generator().manual_seed(80 + step)
+        x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+        (model(x[mine]) ** 2).sum().div(B).backward()
+        opt.step()
+        opt.zero_grad()
+        (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+        oopt.step()
+        oopt.zero_grad()
+    got = full_params(ctx, model)
+    for name, ref in oracle.named_parameters():
+        assert_close(ctx, f"{name} after two steps", got[name], ref, FP32["param"])

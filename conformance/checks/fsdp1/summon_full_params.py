@@ -1,4 +1,5 @@
-"""Area "fsdp1_runtime": ``FullyShardedDataParallel.summon_full_params`` and its options (R3-R5).
+"""Area "fsdp1_runtime": ``FullyShardedDataParallel.summon_full_params`` and its options (R3-R5),
+and what a unit refuses while inside it (R56, R90).
 
 [Note: the summon rules]
 ``summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False,
@@ -25,6 +26,11 @@ use_orig_params=..., offload_to_cpu=... is not supported yet"; entering it again
 inside → AssertionError "Cannot manually unshard parameters when already unsharding parameters".
 The model: ``inner`` Linear(5, 7) is its own unit, the root owns ``head`` Linear(7, 3) (uneven at
 every world size above 1). Expected values come from the unsharded copy taken before sharding.
+
+[Note: a unit inside summon_full_params is not idle]
+A backward through a unit while it is inside ``summon_full_params`` is refused with ValueError
+saying the unit is expected to be IDLE but is in ``SUMMON_FULL_PARAMS`` (R90); the root's
+``clip_grad_norm_`` and ``no_sync()`` are refused there the same way and change no gradient (R56).
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks._shared.sd_models import full_params
+from conformance.checks._shared.fsdp1_setup import REQUIRES as FSDP1_REQUIRES
+from conformance.checks._shared.fsdp1_setup import _global_batch
+from conformance.checks._shared.models import expect_error
+from conformance.checks._shared.oracle import FP32, B, assert_close
+from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_RUNTIME}
@@ -343,3 +352,84 @@ def summon_non_fsdp_module(ctx, orig):
         assert_full(ctx, holder, oracle, "inside summon(non-FSDP holder)")
         change(ctx, holder)
     assert_params(ctx, holder, changed(oracle), "after summon(non-FSDP holder, writeback=True)")
+
+
+class _ChildHead(nn.Module):
+    """head(tanh(child(x))): ``child`` a ``Linear(4, 4)``, ``head`` a ``Linear(4, 2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.child(x)))
+
+
+# ------------------------------------------------------------------------------ R90
+@check(area="fsdp1_runtime", requires=FSDP1_REQUIRES | {base.FSDP1_RUNTIME}, world_sizes=(1, 2))
+def backward_inside_summon_refused(ctx):
+    """R90: units ``child`` and the root over ``head(tanh(child(x)))``; after a forward (the same
+    batch on every rank), a backward of its output run inside ``summon_full_params(model.child)``
+    raises on every rank ValueError "expected to be in states [...IDLE...] but current state is
+    ...SUMMON_FULL_PARAMS"; after the context exits, a forward still equals the unsharded
+    model's."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    ctx.seed(0)
+    oracle = _ChildHead().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("child", {}), ("", {})])
+    x = _global_batch(ctx, 90)
+    out = model(x)
+
+    def backward_in_summon():
+        with fsdp.summon_full_params(model.module.child):
+            out.sum().backward()
+
+    expect_error(
+        ctx,
+        "backward inside summon_full_params(child)",
+        ValueError,
+        r"(?s)expected to be in states.*IDLE.*current state is.*SUMMON_FULL_PARAMS",
+        backward_in_summon,
+    )
+    with torch.no_grad():
+        assert_close(ctx, "forward after the refused backward", model(x), oracle(x), FP32["loss"])
+
+
+@check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_RUNTIME}, world_sizes=(1, 2))
+def root_calls_refused_inside_summon(ctx):
+    """R56: inside ``summon_full_params`` on the root (``InnerHeadNet``, ``inner`` its own unit,
+    after one forward and backward), ``root.clip_grad_norm_(0.01)`` and entering
+    ``root.no_sync()`` are refused with ValueError "expected to be in states"; nothing is
+    clipped: after exit the full gradients equal the unsharded model's."""
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("inner", {}), ("", {})])
+    x = torch.randn(ctx.world_size * B, 4, generator=torch.Generator().manual_seed(9))
+    x = x.to(ctx.device)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    (model(x[mine]) ** 2).sum().div(B).backward()
+    (oracle(x) ** 2).sum().div(ctx.world_size * B).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def enter_no_sync():
+        with model.no_sync():
+            pass
+
+    with ctx.impl.FSDP.summon_full_params(model):
+        for what, call in (
+            ("clip_grad_norm_", lambda: model.clip_grad_norm_(0.01)),
+            ("no_sync()", enter_no_sync),
+        ):
+            expect_error(
+                ctx,
+                f"{what} inside summon_full_params",
+                ValueError,
+                "expected to be in states",
+                call,
+            )
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), f"{ctx.where()} {name}: gradient changed"
+    total = model.clip_grad_norm_(1e6)  # accepted again after exit; nothing clipped
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e6)
+    assert_close(ctx, "clip_grad_norm_ after exit", total, ref, FP32["grad"])

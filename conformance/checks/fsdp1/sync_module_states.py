@@ -1,4 +1,5 @@
-"""Area "fsdp1_runtime": ``sync_module_states`` at FSDP1 construction (R61).
+"""Area "fsdp1_runtime": ``sync_module_states`` at FSDP1 construction (R61), also of a
+tensor-subclass buffer (R68).
 
 [Note: what the ranks start from]
 Each rank builds the module from the same seed and then adds its rank to every parameter and
@@ -15,6 +16,9 @@ of the module is on the CPU it refuses at construction with ValueError naming
 state is on the CPU, and it must come for every kind of state: a module whose only states are
 buffers is refused (or broadcast) as one whose only states are parameters is. What may never
 happen is a construction that succeeds and leaves a rank with its own values.
+
+``sync_module_states=True`` treats a tensor-subclass buffer (``TwoTensor``) as its inner
+tensors: refused for CPU states as R61 says, or broadcast, never left per rank (R68).
 """
 
 from __future__ import annotations
@@ -117,3 +121,48 @@ def sync_module_states_broadcast(ctx, model_name):
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(11)).to(ctx.device)
     with torch.no_grad():
         assert_close(ctx, "forward after the broadcast", unit(x), oracle(x), FP32["loss"])
+
+
+# ------------------------------------------------------------------------------ R68
+class _SubclassBuffer(nn.Module):
+    """No parameter; a buffer ``pair``, a ``TwoTensor`` (a tensor subclass holding two (3,)
+    tensors ``a`` and ``b``), added to the input."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        self.register_buffer("pair", TwoTensor(torch.randn(3), torch.randn(3)))
+
+    def forward(self, x):
+        return x + self.pair
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(2,))
+def sync_module_states_subclass_buffer(ctx):
+    """R68: ``sync_module_states=True`` on a module whose only state is a tensor-subclass buffer
+    (``TwoTensor``), rank r adding r to both inner tensors: either every rank holds rank 0's
+    inner tensors after construction, or (some state on the CPU) construction is refused with
+    ValueError naming ``sync_module_states=True`` (R61); never a unit that kept a rank's own
+    values."""
+    ctx.seed(0)
+    mine = _SubclassBuffer().to(ctx.device)
+    want = {k: getattr(mine.pair, k).clone() for k in ("a", "b")}  # rank 0's: same seed
+    with torch.no_grad():
+        for k in ("a", "b"):
+            getattr(mine.pair, k).add_(float(ctx.rank))
+    try:
+        unit = ctx.impl.ns.FullyShardedDataParallel(mine, sync_module_states=True, **_kwargs(ctx))
+    except ValueError as exc:
+        assert mine.pair.device.type == "cpu", (
+            f"{ctx.where()} sync_module_states=True refused a module on {mine.pair.device}: {exc}"
+        )
+        assert "sync_module_states=True" in str(exc), (
+            f"{ctx.where()} the refusal {str(exc)[:300]!r} does not name sync_module_states=True"
+        )
+        return
+    (pair,) = [b for n, b in unit.named_buffers() if n.endswith("pair")]
+    for k, ref in want.items():
+        assert_close(
+            ctx, f"buffer pair.{k} after the broadcast", getattr(pair, k), ref, FP32["param"]
+        )

@@ -1,4 +1,5 @@
-"""Area "fsdp1_runtime": what ``FullyShardedDataParallel`` shows of itself (R8-R10).
+"""Area "fsdp1_runtime": what ``FullyShardedDataParallel`` shows of itself (R8-R10), and the names
+it gives a module's parameters and buffers (R84, R85).
 
 [Note: the wrapper's names and its flat parameter]
 A unit registers the module it wraps as ``_fsdp_wrapped_module``, so outside
@@ -10,6 +11,14 @@ unwrapped model's (``inner.weight``). ``unit._flat_param`` is the unit's FlatPar
 manages no parameter. ``summon_full_params`` is a static method: ``FSDP.summon_full_params(m)``,
 ``m.summon_full_params(m, recurse=False)`` and ``other_unit.summon_full_params(m)`` all act on
 ``m``.
+
+[Note: the names of a wrapped module's tensors]
+* A module may override ``named_parameters`` without supporting ``remove_duplicate=False``
+  (asserting it is True, as some wrappers do): FSDP1 still wraps it, its state dict holds the
+  unsharded model's entries, and its forward is the unsharded model's (R84).
+* ``named_buffers()`` of an FSDP1 module names its buffers as ``nn.Module`` does (through the
+  ``_fsdp_wrapped_module.`` attribute) outside ``summon_full_params``, and by the unwrapped
+  module's FQNs inside it (R85).
 
 [Note: the flat layout, field by field]
 Upstream's flat parameter records its layout as ``_numels_with_padding`` (segments),
@@ -28,12 +37,17 @@ with the shard, the end index inclusive. These are read through the adapter's ``
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _global_batch, _kwargs
+from conformance.checks._shared.oracle import FP32, assert_close
+from conformance.checks._shared.sd_models import first_error_everywhere
 from conformance.checks.fsdp1.summon_full_params import (
     ORIG,
     assert_full,
@@ -240,3 +254,63 @@ def flat_layout_fields(ctx, orig):
                     f"{ctx.where()} unit {unit}: shard elements {off}:{off + n} are not the "
                     f"parameter's {lo}..{hi}"
                 )
+
+
+# ------------------------------------------------------------------------------ R84
+class _StrictNames(nn.Linear):
+    """A Linear whose ``named_parameters`` refuses ``remove_duplicate=False``."""
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        assert remove_duplicate, "this module only names parameters without duplicates"
+        return super().named_parameters(prefix, recurse)
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.FULL_STATE_DICT}, world_sizes=(1, 2))
+def named_parameters_without_remove_duplicate(ctx):
+    """R84: FSDP1 (one unit) over ``Sequential(M(4, 4), Linear(4, 2))``, where ``M`` is a Linear
+    whose ``named_parameters`` asserts ``remove_duplicate`` is True, constructs; its FULL state
+    dict has exactly the keys ``0.weight``, ``0.bias``, ``1.weight``, ``1.bias`` with the unsharded
+    model's values, and a forward (the same batch on every rank) equals the unsharded model's."""
+    ctx.seed(0)
+    oracle = nn.Sequential(_StrictNames(4, 4), nn.Linear(4, 2)).to(ctx.device)
+    model = first_error_everywhere(ctx, lambda: ctx.impl.shard(copy.deepcopy(oracle), ctx))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = ctx.impl.state_dict(model, "full")
+    want = {k: v.detach() for k, v in nn.Module.state_dict(oracle).items()}
+    assert sorted(sd) == sorted(want), (
+        f"{ctx.where()} FULL state dict keys {sorted(sd)}, expected {sorted(want)}"
+    )
+    for key, value in want.items():
+        assert_close(ctx, f"FULL state dict {key}", sd[key].detach(), value, FP32["param"])
+    x = _global_batch(ctx, 83)
+    with torch.no_grad():
+        assert_close(ctx, "forward", model(x), oracle(x), FP32["loss"])
+
+
+# ------------------------------------------------------------------------------ R85
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.FSDP1_RUNTIME}, world_sizes=(1, 2))
+def named_buffers_in_summon(ctx):
+    """R85: over one unit of ``Sequential(Linear(4, 4), BatchNorm1d(4))``, ``named_buffers()``
+    gives, in the unwrapped module's order, ``_fsdp_wrapped_module.`` + each of its buffer names
+    outside ``summon_full_params`` and the unwrapped names (``1.running_mean``, ...) inside it;
+    the buffers are the same tensors either way."""
+    ctx.seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(ctx.device)
+    names = [n for n, _ in plain.named_buffers()]
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    model = fsdp(plain, **_kwargs(ctx))
+    outside = list(model.named_buffers())
+    want = [f"_fsdp_wrapped_module.{n}" for n in names]
+    assert [n for n, _ in outside] == want, (
+        f"{ctx.where()} named_buffers() outside summon_full_params: "
+        f"{[n for n, _ in outside]}, expected {want}"
+    )
+    with fsdp.summon_full_params(model):
+        inside = list(model.named_buffers())
+    assert [n for n, _ in inside] == names, (
+        f"{ctx.where()} named_buffers() inside summon_full_params: {[n for n, _ in inside]}, "
+        f"expected the unwrapped module's {names}"
+    )
+    for (name, a), (_, b) in zip(outside, inside):
+        assert a is b, f"{ctx.where()} buffer {name}: a different tensor inside summon_full_params"

@@ -4,6 +4,10 @@ type and meaning (P3, P12, P13).
 Messages are matched on upstream's key words (a regex), not byte for byte. This area checks the
 contract only; what the module looks like after the rejection (this project's stricter rule, X1,
 X2) is the ``strict`` area's, which runs these same checks with ``strict=True``.
+
+``_snapshot`` and ``_assert_untouched`` are the refusal helpers of the other areas' checks
+(``lifecycle.py``, ``mesh_dims.py``, ``per_param_mesh.py``): a refused ``fully_shard`` leaves no
+``FSDPModule`` and the parameters as they were.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import re
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values
@@ -318,3 +323,27 @@ def options_are_keyword_only(ctx, strict=False):
     assert isinstance(fresh, ctx.impl.ns.FSDPModule), (
         f"{ctx.where()} fully_shard(model, mesh=mesh): {type(fresh).__name__} is no FSDPModule"
     )
+
+
+def _snapshot(module):
+    """name -> (type, placements or None, full values) of ``module``'s parameters."""
+    return {
+        n: (
+            type(p),
+            getattr(p, "placements", None),
+            (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(),
+        )
+        for n, p in module.named_parameters()
+    }
+
+
+def _assert_untouched(ctx, ns, module, before, what):
+    """A refused ``fully_shard`` leaves no ``FSDPModule`` and the parameters as they were."""
+    assert not isinstance(module, ns.FSDPModule), f"{ctx.where()} {what}: became an FSDPModule"
+    for name, (kind, placements, values) in _snapshot(module).items():
+        was = before[name]
+        assert (kind, placements) == was[:2], (
+            f"{ctx.where()} {what}: {name} is a {kind.__name__} {placements}, was a "
+            f"{was[0].__name__} {was[1]}"
+        )
+        assert torch.equal(values, was[2]), f"{ctx.where()} {what}: {name} changed its values"

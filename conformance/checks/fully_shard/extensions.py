@@ -1,5 +1,7 @@
 """Area "extensions": parameters whose local shard defines ``fsdp_pre_all_gather`` /
-``fsdp_post_all_gather`` are all-gathered through those hooks (P14).
+``fsdp_post_all_gather`` are all-gathered through those hooks (P14): with an explicit
+``unshard()`` (P82), on an HSDP mesh (P16), under CPU offload (P96), and refused when the pre
+hook does not pad an uneven shard (P105).
 
 [Note: the protocol]
 * FSDP calls the pre hook on the rank's *local* shard: with one argument ``(mesh)`` (legacy) or five
@@ -17,6 +19,14 @@
 * The module computes with the unsharded tensor, so its forward equals the unsharded model's.
 The subclass (``_subclasses.PairTensor``) carries two tensors ``a`` (values) and ``b == -a``, so the
 check sees both gathered inputs; expected values are the original tensor and its negation.
+
+[Note: an allocating post-all-gather hook]
+``Alloc1`` is ``_subclasses.Pair1`` whose ``fsdp_post_all_gather`` returns a *copy* of the gathered
+values (its own storage) as the unsharded tensor and names that copy as the tensor to free. FSDP
+frees its storage on reshard and must allocate it again before each later all-gather, which passes
+``out=`` (the unsharded parameter, a view of that copy): the hook writes into ``out`` and first
+asserts its storage holds the parameter (a freed one holds 0 bytes). An explicit ``unshard()``
+runs the unit's lazy set-up again; that must not forget the tensors to re-allocate (P82).
 """
 
 from __future__ import annotations
@@ -27,9 +37,10 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values, expect_error
-from conformance.checks._shared.rows import chunk_of, chunk_range
+from conformance.checks._shared.rows import chunk_of, chunk_range, chunk_size
 from conformance.checks.fully_shard import _subclasses
 from conformance.checks.fully_shard._subclasses import Flat5, Pair1, Pair5, Single5
+from conformance.checks.fully_shard.per_param_mesh import _is_sharded
 from conformance.registry import check
 
 
@@ -225,4 +236,161 @@ def extension_error_contracts(ctx, name):
         pattern,
         lambda: ctx.impl.ns.fully_shard(module, mesh=ctx.mesh),
         lambda: module(x),
+    )
+
+
+class Alloc1(Pair1):
+    """``Pair1`` whose post hook allocates the unsharded tensor (module Note)."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        gathered_a = all_gather_outputs[0]
+        if out is None:
+            unsharded = gathered_a.clone()
+            return unsharded, (unsharded,)
+        need = out.numel() * out.element_size()
+        have = out.untyped_storage().nbytes()
+        assert have >= need, (
+            f"post hook: out= has {have} bytes of storage, expected at least {need} "
+            "(the tensor to free was not allocated again)"
+        )
+        with torch.no_grad():
+            out.copy_(gathered_a)
+        return None
+
+
+class AllocLinear(nn.Module):
+    """A bias-free Linear whose weight (rows, 3) is an ``Alloc1``."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        values = distinct_values((rows, 3), 0) / 100.0
+        self.weight = nn.Parameter(Alloc1(values.clone(), -values.clone()))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.DTENSOR_PARAMS},
+    world_sizes=(1,),
+)
+def extension_explicit_unshard(ctx):
+    """P82: a unit over an ``Alloc1`` weight (module Note: the post hook allocates the unsharded
+    tensor and names it to free), ``reshard_after_forward=True``: after a forward (no grad),
+    ``unshard()``, ``reshard()``, ``unshard()`` give the original values as the registered
+    (unsharded) weight each time, the post hook finding ``out=``'s storage allocated; after
+    ``reshard()`` the weight is sharded again and a second forward's output equals the unsharded
+    model's."""
+    rows = 2 * ctx.world_size
+    original = distinct_values((rows, 3), 0) / 100.0
+    module = AllocLinear(rows).to(ctx.device)
+    ctx.impl.ns.fully_shard(
+        module, mesh=ctx.make_mesh((ctx.world_size,)), reshard_after_forward=True
+    )
+    x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
+    expected = x.cpu() @ original.T
+
+    def check_output(when):
+        with torch.no_grad():
+            out = module(x).cpu()
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-7), (
+            f"{ctx.where()} {when}: forward output differs from the unsharded model's"
+        )
+
+    check_output("first forward")
+    for i in range(2):
+        module.unshard()
+        weight = module.weight
+        assert not _is_sharded(weight), (
+            f"{ctx.where()} explicit unshard {i}: the registered weight is still sharded"
+        )
+        assert torch.equal(weight.detach().cpu(), original), (
+            f"{ctx.where()} explicit unshard {i}: the unsharded weight differs from the original"
+        )
+        module.reshard()
+        assert _is_sharded(module.weight), (
+            f"{ctx.where()} reshard after explicit unshard {i}: the weight is not sharded"
+        )
+    check_output("forward after the explicit unshards")
+
+
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.HSDP},
+    world_sizes=(2, 4),
+)
+def hsdp_extension_shard_mesh(ctx):
+    """P16, P14: on an HSDP mesh ``("replicate", "shard")`` of shape (ws/2, 2), a parameter whose
+    tensor subclass implements ``fsdp_pre_all_gather`` (``Pair5``) gets the shard sub-mesh in
+    that hook: 1-D, named ``("shard",)``, of size 2 (a shard size of 1 takes upstream's
+    no-all-gather path, which hands a two-input extension one output: left out); the forward computes with the original
+    values."""
+    shard = 2
+    mesh = ctx.make_mesh((ctx.world_size // shard, shard), ("replicate", "shard"))
+    rows = 2 * ctx.world_size
+    module = PairLinear(rows, _subclasses.Pair5).to(ctx.device)
+    original = distinct_values((rows, 3), 0) / 100.0
+    ctx.impl.ns.fully_shard(module, mesh=mesh)
+    x = (distinct_values((2, 3), 4) / 100.0).to(ctx.device)
+    _subclasses.LOG.clear()
+    try:
+        with torch.no_grad():
+            out = module(x).cpu()
+        meshes = [e["mesh"] for e in _subclasses.LOG if e["hook"].startswith("pre")]
+    finally:
+        _subclasses.LOG.clear()
+    assert len(meshes) == 1, f"{ctx.where()} pre hook ran {len(meshes)} time(s), expected once"
+    got = (meshes[0].ndim, tuple(meshes[0].mesh_dim_names or ()), meshes[0].size())
+    assert got == (1, ("shard",), shard), (
+        f"{ctx.where()} pre hook got a mesh (ndim, names, size) {got}; expected the shard "
+        f"sub-mesh (1, ('shard',), {shard})"
+    )
+    assert torch.equal(out, x.cpu() @ original.T), (
+        f"{ctx.where()} forward output differs from the original weight's"
+    )
+
+
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.TRAINING, base.CPU_OFFLOAD},
+)
+def train_step_through_hooks_offload(ctx):
+    """P96: an all-gather-extension parameter (``Single5``, uneven dim 0) under
+    ``offload_policy=CPUOffloadPolicy(pin_memory=False)`` trains as without offload:
+    FSDP hands the pre hook the shard moved to the compute device, and each step's loss, the sharded
+    gradient and the values after 3 SGD steps equal the unsharded model's."""
+    train_through_hooks(
+        ctx, Single5, True, offload_policy=ctx.impl.ns.CPUOffloadPolicy(pin_memory=False)
+    )
+
+
+class Unpadded5(Pair5):
+    """``Pair5`` whose 5-argument pre hook hands FSDP its local shard as it is, never padded."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.a, self.b), {"rows": outer_size[0]}
+
+
+@check(area="extensions", requires={base.EXTENSIONS, base.FSDP2_API}, world_sizes=(2,))
+def unpadded_all_gather_inputs_refused(ctx):
+    """P105: for a parameter unevenly sharded on dim 0 (``PairLinear`` of 2 * ws + 1 rows), an
+    ``fsdp_pre_all_gather`` (5-argument form) returning all-gather inputs of the unpadded local
+    size is refused on each rank whose shard is padded: ``unit.unshard()`` raises AssertionError
+    "When a parameter is unevenly sharded by FSDP (orig size=..., FSDP world size=<ws>),
+    fsdp_pre_all_gather must return all-gather inputs with the padded sharded size ...", before
+    any communication (only those ranks call it; the others hold a full shard)."""
+    ws = ctx.world_size
+    rows = 2 * ws + 1
+    module = PairLinear(rows, Unpadded5).to(ctx.device)
+    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh)
+    if module.weight.to_local().shape[0] == chunk_size(rows, ws):
+        return  # a full shard: nothing to pad, and no rank to all-gather with
+    expect_error(
+        ctx,
+        "unshard() with unpadded all-gather inputs",
+        AssertionError,
+        rf"When a parameter is unevenly sharded by FSDP \(orig size=.*FSDP world size={ws}\), "
+        r"fsdp_pre_all_gather must return all-gather inputs with the padded sharded size",
+        module.unshard,
     )

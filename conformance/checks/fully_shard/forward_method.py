@@ -1,4 +1,5 @@
-"""Area "states": ``register_fsdp_forward_method`` (P30).
+"""Area "states": ``register_fsdp_forward_method`` (P30), and its refusal of a name the unit lacks
+(P92).
 
 [Note: a method other than forward]
 FSDP2 unshards a unit around ``forward`` only. ``register_fsdp_forward_method(module, name)`` wraps
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.oracle import FP32, assert_close, shard_dim
+from conformance.checks._shared.models import expect_error
+from conformance.checks._shared.oracle import FP32, B, assert_close, shard_dim
 from conformance.checks._shared.rows import chunk_of
 from conformance.registry import check
 
@@ -92,3 +94,48 @@ def registered_forward_method(ctx):
         assert_close(
             ctx, f"enc.{name} sharded gradient", param.grad.to_local(), expected, FP32["grad"]
         )
+
+
+def _pair(ctx):
+    """``Sequential(Linear(4, 4), Tanh(), Linear(4, 2))`` and its sharded copy (both Linears and
+    the root are units)."""
+    ctx.seed(0)
+    oracle = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(ctx.device)
+    model = copy.deepcopy(oracle)
+    for unit in (model[0], model[2], model):
+        ctx.impl.ns.fully_shard(unit, mesh=ctx.mesh)
+    return model, oracle
+
+
+def _assert_forward_matches(ctx, model, oracle, what):
+    g = torch.Generator().manual_seed(91)
+    x = torch.randn(B, 4, generator=g).to(ctx.device)
+    with torch.no_grad():
+        assert_close(ctx, f"{what}: forward output", model(x), oracle(x), FP32["param"])
+
+
+@check(area="states", requires={base.FSDP2_API, base.FSDP2_FORWARD_METHOD}, world_sizes=(1, 2))
+def forward_method_missing_name(ctx):
+    """P92: ``register_fsdp_forward_method(unit, name)`` for a name the unit lacks raises
+    ValueError naming the unit's class and the name (``<class ...FSDPSequential'> does not have a
+    method encode_all``) and registers nothing; on a module that is not an ``FSDPModule`` it is a
+    no-op, even for a missing name. The model still computes the unsharded model's output."""
+    ns = ctx.impl.ns
+    model, oracle = _pair(ctx)
+    expect_error(
+        ctx,
+        "register_fsdp_forward_method(model, 'encode_all')",
+        ValueError,
+        rf"{type(model).__name__}.*does not have a method encode_all",
+        lambda: ns.register_fsdp_forward_method(model, "encode_all"),
+    )
+    assert not hasattr(model, "encode_all"), f"{ctx.where()} the refused name was registered"
+    plain = nn.Linear(4, 4)
+    try:
+        ns.register_fsdp_forward_method(plain, "encode_all")
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(
+            f"{ctx.where()} register_fsdp_forward_method on a plain nn.Linear raised "
+            f"{type(exc).__name__}: {str(exc)[:300]}; it is a no-op for a non-FSDP module"
+        ) from exc
+    _assert_forward_matches(ctx, model, oracle, "after the refused registration")

@@ -1,4 +1,5 @@
-"""Area "training": edges of ``fully_shard``'s set-up (P68-P73).
+"""Area "training": edges of ``fully_shard``'s set-up (P68-P73, P81), and the parameter swaps
+through a module's own ``__setattr__`` (P102).
 
 * P68: the public FSDP2 names a namespace exports report that namespace as their ``__module__``
   (and ``inspect.getmodule`` finds it), whatever private module defines them.
@@ -12,6 +13,20 @@
 * P71: FSDP's parameter swaps fire no global parameter-registration hook.
 * P72: ``dp_mesh_dims`` with parameters on a mesh without dim names raises AssertionError.
 * P73: ``set_reduce_scatter_max_input_buffers`` recurses over FSDP modules only.
+* P81: ``disable_fsdp_module_new_init()`` switches off the re-initialisation that an FSDP class's
+  ``__new__`` gives a module constructed from it.
+* P102: FSDP swaps a module's sharded and unsharded parameters through the module's own
+  ``__setattr__`` where its class overrides it.
+
+[Note: the FSDP class's constructor]
+``fully_shard`` swaps a module's class for ``FSDP<Class>`` (``FSDPModule`` first in its MRO);
+calling that class (as a container does when it indexes or slices itself: ``type(self)(...)``)
+builds an instance of the *original* class and, as ``__new__`` returns an instance of another
+class, Python would skip ``__init__``: so FSDP's ``__new__`` runs the original ``__init__`` itself.
+Inside ``with disable_fsdp_module_new_init():`` (of ``<ns>._fully_shard._fully_shard``) it does not:
+the object comes back bare (an empty ``__dict__``), as a loader that fills the attributes itself
+wants. Leaving the block, by its end or by an exception, restores the previous setting (nested
+blocks stay disabled until the outermost ends).
 """
 
 from __future__ import annotations
@@ -21,12 +36,15 @@ import inspect
 import pickle
 
 import torch
+from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.internals import ns_module
 from conformance.checks._shared.oracle import (
     FP32,
     B,
     assert_close,
+    assert_sharded_grad,
     make_optimizer,
     step_and_compare,
 )
@@ -231,3 +249,99 @@ def max_input_buffers_plain_children(ctx):
         )
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     step_and_compare(ctx, model, oracle, opts, 0)
+
+
+@check(area="training", requires={base.FSDP2_API, base.FSDP2_NEW_INIT_SWITCH}, world_sizes=(1,))
+def new_init_switch(ctx):
+    """P81: for ``m = nn.Linear(4, 4)`` after ``fully_shard(m)``, ``type(m)(3, 5)`` is a plain
+    ``nn.Linear`` with a weight of shape (5, 3); inside ``with disable_fsdp_module_new_init():`` (of
+    ``<ns>._fully_shard._fully_shard``) it is an ``nn.Linear`` with an empty ``__dict__``, also in a
+    nested block after the inner one ends; after the block, and after an exception raised inside a
+    block, it is initialised again."""
+    ns = ctx.impl.ns
+    switch = ns_module(ctx, "_fully_shard._fully_shard").disable_fsdp_module_new_init
+    model = nn.Linear(4, 4).to(ctx.device)
+    ns.fully_shard(model, mesh=ctx.make_mesh((ctx.world_size,)))
+    cls = type(model)
+    assert cls is not nn.Linear, f"{ctx.where()} setup: fully_shard kept the class nn.Linear"
+
+    def assert_initialised(when):
+        made = cls(3, 5)
+        assert type(made) is nn.Linear, f"{ctx.where()} {when}: {cls.__name__}(3, 5) is {made!r}"
+        assert tuple(made.weight.shape) == (5, 3), (
+            f"{ctx.where()} {when}: {cls.__name__}(3, 5).weight has shape "
+            f"{tuple(made.weight.shape)}, expected (5, 3)"
+        )
+
+    def assert_bare(when):
+        made = cls(3, 5)
+        assert type(made) is nn.Linear and not vars(made), (
+            f"{ctx.where()} {when}: {cls.__name__}(3, 5) is a {type(made).__name__} with "
+            f"attributes {sorted(vars(made))}, expected an uninitialised nn.Linear"
+        )
+
+    assert_initialised("before the switch")
+    with switch():
+        assert_bare("inside disable_fsdp_module_new_init()")
+        with switch():
+            assert_bare("inside a nested block")
+        assert_bare("after the nested block ended, inside the outer one")
+    assert_initialised("after the block")
+    try:
+        with switch():
+            raise KeyError("raised inside the block")
+    except KeyError:
+        pass
+    assert_initialised("after a block left by an exception")
+
+
+SETATTR_LOG: list = []  # (id of the module, name) of every Parameter assigned to a RecordingLinear
+
+
+class RecordingLinear(nn.Linear):
+    """``nn.Linear`` whose ``__setattr__`` records each parameter assigned (then assigns as usual)."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, nn.Parameter):
+            SETATTR_LOG.append((id(self), name))
+        super().__setattr__(name, value)
+
+
+class RecordingPair(Pair):
+    """``Pair`` built of ``RecordingLinear``s holding ``pair``'s values."""
+
+    def __init__(self, pair: Pair):
+        super().__init__()
+        self.inp, self.out = RecordingLinear(4, 8), RecordingLinear(8, 4)
+        self.load_state_dict(pair.state_dict())
+
+
+@check(area="training", requires={base.FSDP2_API, base.TRAINING, base.DTENSOR_PARAMS})
+def module_setattr_override_used(ctx):
+    """P102: for a module whose class overrides ``__setattr__``, FSDP swaps the sharded and
+    unsharded parameters through that override (each of its ``weight`` and ``bias`` passes through
+    it during a forward and backward, on both Linears of ``Pair`` sharded at the root), and the
+    output and sharded gradients equal the unsharded model's."""
+    ws, rank = ctx.world_size, ctx.rank
+    ctx.seed(0)
+    oracle = Pair().to(ctx.device)
+    model = RecordingPair(oracle).to(ctx.device)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.make_mesh((ws,)))
+    SETATTR_LOG.clear()
+    g = torch.Generator().manual_seed(102)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    mine = slice(rank * B, (rank + 1) * B)
+    out = model(x[mine])
+    assert_close(ctx, "forward output", out, oracle(x[mine]), FP32["param"])
+    out.square().mean().backward()
+    torch.stack(
+        [oracle(x[r * B : (r + 1) * B]).square().mean() for r in range(ws)]
+    ).mean().backward()
+    for linear in (model.inp, model.out):
+        for pname in ("weight", "bias"):
+            assert (id(linear), pname) in SETATTR_LOG, (
+                f"{ctx.where()} {pname} of a Linear never passed through its __setattr__; "
+                f"seen: {sorted({n for _, n in SETATTR_LOG})}"
+            )
+    for fqn, param in model.named_parameters():
+        assert_sharded_grad(ctx, f"{fqn} sharded gradient", param, oracle.get_parameter(fqn).grad)

@@ -1,5 +1,5 @@
 """Area "lifecycle": a ``fully_shard`` module across its life, from construction to reloading
-(P9, P10, P12, P17).
+(P9, P10, P12, P17), and a container without ``forward`` refused (P98).
 
 [Note: what each check compares]
 * Tied parameters: a parameter may belong to one FSDP group only. Tying it across two separate
@@ -31,6 +31,7 @@ from torch import nn
 from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values, expect_error
 from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard.bad_input import _assert_untouched, _snapshot
 from conformance.registry import check
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -371,3 +372,42 @@ def assign_load_after_forward(ctx):
         )
     assert_layout(ctx, model, full, "after load_state_dict(assign=True)")
     train_and_compare(ctx, model, oracle, 2, "after an assign-load")
+
+
+class Stack(nn.ModuleList):
+    """A ``ModuleList`` that implements ``forward`` (its layers in turn)."""
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+@check(area="lifecycle", requires={base.FSDP2_API}, world_sizes=(1,))
+def container_without_forward_refused(ctx):
+    """P98: ``fully_shard`` of an ``nn.ModuleList`` or ``nn.ModuleDict`` (containers that do not
+    implement ``forward``) raises ValueError "fully_shard does not support containers that do not
+    implement forward" and shards nothing (no ``FSDPModule``, parameters unchanged); a
+    ``ModuleList`` subclass that implements ``forward`` is sharded."""
+    ns = ctx.impl.ns
+    mesh = ctx.make_mesh((ctx.world_size,))
+    ctx.seed(0)
+    containers = {
+        "nn.ModuleList": nn.ModuleList([nn.Linear(4, 4)]),
+        "nn.ModuleDict": nn.ModuleDict({"lin": nn.Linear(4, 4)}),
+    }
+    for what, container in containers.items():
+        before = _snapshot(container)
+        expect_error(
+            ctx,
+            f"fully_shard({what})",
+            ValueError,
+            r"fully_shard does not support containers that do not implement forward",
+            lambda container=container: ns.fully_shard(container.to(ctx.device), mesh=mesh),
+        )
+        _assert_untouched(ctx, ns, container, before, what)
+    stack = Stack([nn.Linear(4, 4)]).to(ctx.device)
+    ns.fully_shard(stack, mesh=mesh)
+    assert isinstance(stack, ns.FSDPModule), (
+        f"{ctx.where()} a ModuleList subclass with forward was not sharded"
+    )

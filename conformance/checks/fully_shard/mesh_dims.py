@@ -1,5 +1,5 @@
 """Area "training": ``fully_shard(dp_mesh_dims=DataParallelMeshDims(...))`` on a full SPMD mesh
-(P40, P41, P79).
+(P40, P41, P79), names given as one-name tuples (P100), and the arguments it refuses (P93, P99).
 
 [Note: the SPMD mesh]
 With ``dp_mesh_dims`` the ``mesh`` passed to ``fully_shard`` is the whole SPMD mesh and every
@@ -33,8 +33,10 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from conformance.adapters import base
+from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import (
     FP32,
     MLP,
@@ -45,6 +47,8 @@ from conformance.checks._shared.oracle import (
     per_sample_loss,
 )
 from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard.bad_input import _assert_untouched, _snapshot
+from conformance.checks.fully_shard.edges import OnMesh, Pair
 from conformance.registry import check
 
 REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_DP_MESH_DIMS}
@@ -197,3 +201,150 @@ def dp_mesh_dims_rejects(ctx, kwargs, text):
         assert text in str(exc), f"{ctx.where()} ValueError {exc!r} does not say {text!r}"
     else:
         raise AssertionError(f"{ctx.where()} DataParallelMeshDims({kwargs}) raised nothing")
+
+
+@check(
+    area="training",
+    requires={
+        base.FSDP2_API,
+        base.DTENSOR_PARAMS,
+        base.FSDP2_DP_MESH_DIMS,
+        base.RESHARD_AFTER_FORWARD,
+    },
+    world_sizes=(1, 2),
+)
+def dp_mesh_dims_int_reshard_refused(ctx):
+    """P93: ``fully_shard(module, mesh=<("dp", "tp") mesh of shape (ws, 1)>,
+    dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=1)``, the module's
+    parameters being DTensors replicated on that mesh (``edges.OnMesh``, as ``dp_mesh_dims`` needs), raises
+    NotImplementedError "reshard_after_forward as int is not yet supported with SPMD mesh
+    (dp_mesh_dims)" and shards nothing: the module is no ``FSDPModule`` and its parameters keep
+    their placements and values."""
+    ns = ctx.impl.ns
+    mesh = ctx.make_mesh((ctx.world_size, 1), ("dp", "tp"))
+    ctx.seed(0)
+    module = OnMesh(Pair().to(ctx.device), mesh, None)
+    before = {
+        n: (p.placements, p.full_tensor().detach().clone()) for n, p in module.named_parameters()
+    }
+    expect_error(
+        ctx,
+        "fully_shard(dp_mesh_dims=..., reshard_after_forward=1)",
+        NotImplementedError,
+        r"reshard_after_forward as int is not yet supported with SPMD mesh \(dp_mesh_dims\)",
+        lambda: ns.fully_shard(
+            module,
+            mesh=mesh,
+            dp_mesh_dims=ns.DataParallelMeshDims(shard="dp"),
+            reshard_after_forward=1,
+        ),
+    )
+    assert not isinstance(module, ns.FSDPModule), (
+        f"{ctx.where()} the refused module is an FSDPModule"
+    )
+    for name, param in module.named_parameters():
+        placements, values = before[name]
+        assert isinstance(param, DTensor) and param.placements == placements, (
+            f"{ctx.where()} {name}: {type(param).__name__} "
+            f"{getattr(param, 'placements', None)}, expected the DTensor's {placements}"
+        )
+        assert torch.equal(param.full_tensor().detach(), values), f"{ctx.where()} {name} changed"
+
+
+DIMS = {base.FSDP2_API, base.DTENSOR_PARAMS, base.FSDP2_DP_MESH_DIMS}
+
+
+def _cleared(ns):
+    """``DataParallelMeshDims(shard="dp")`` whose ``shard`` is cleared after construction."""
+    dims = ns.DataParallelMeshDims(shard="dp")
+    dims.shard = None
+    return dims
+
+
+DIMS_REFUSALS = {
+    # name: (mesh dim names, DataParallelMeshDims builder, extra kwargs, message)
+    "cleared-dims": (
+        ("dp", "tp"),
+        _cleared,
+        {},
+        r"At least one of shard or replicate must be set",
+    ),
+    "unnamed-mesh": (
+        None,
+        lambda ns: ns.DataParallelMeshDims(shard="dp"),
+        {},
+        r"mesh must have mesh_dim_names when dp_mesh_dims is provided",
+    ),
+    "replicate-with-placement-fn": (
+        ("dp", "tp"),
+        lambda ns: ns.DataParallelMeshDims(replicate="dp"),
+        {"shard_placement_fn": lambda param: Shard(0)},
+        r"Per-param mesh via shard_placement_fn is not supported",
+    ),
+}
+
+
+@check(
+    area="training",
+    requires=DIMS,
+    cases={n: {"name": n} for n in DIMS_REFUSALS},
+    world_sizes=(1, 2),
+)
+def dp_mesh_dims_argument_refused(ctx, name):
+    """P99: ``fully_shard(module, mesh=<(ws, 1) mesh>, dp_mesh_dims=...)`` over parameters that are
+    DTensors replicated on that mesh raises ValueError, shards nothing and leaves the parameters'
+    placements and values: a ``DataParallelMeshDims`` whose ``shard`` was cleared after
+    construction ("At least one of shard or replicate must be set ..."), a mesh without dim names
+    ("mesh must have mesh_dim_names when dp_mesh_dims is provided"), or replication only
+    (``replicate="dp"``) with a ``shard_placement_fn`` ("Per-param mesh via shard_placement_fn is
+    not supported ...")."""
+    ns = ctx.impl.ns
+    names, make_dims, extra, message = DIMS_REFUSALS[name]
+    mesh = ctx.make_mesh((ctx.world_size, 1), names)
+    ctx.seed(0)
+    module = OnMesh(Pair().to(ctx.device), mesh, None)
+    before = _snapshot(module)
+    expect_error(
+        ctx,
+        f"fully_shard(dp_mesh_dims=...) [{name}]",
+        ValueError,
+        message,
+        lambda: ns.fully_shard(module, mesh=mesh, dp_mesh_dims=make_dims(ns), **extra),
+    )
+    _assert_untouched(ctx, ns, module, before, name)
+
+
+@check(area="training", requires=DIMS, world_sizes=(2,))
+def dp_mesh_dims_tuple_names(ctx):
+    """P100: ``DataParallelMeshDims(shard=("s",), replicate=("r",))`` (one-name tuples) means the
+    same as ``DataParallelMeshDims(shard="s", replicate="r")``: its ``shard_names`` /
+    ``replicate_names`` are ``("s",)`` / ``("r",)``, and ``fully_shard`` on an ``("r", "s")`` mesh
+    of shape (1, 2) gives every parameter the placements, local tensor and full value that the
+    bare names give."""
+    ns = ctx.impl.ns
+    mesh = ctx.make_mesh((1, 2), ("r", "s"))
+    tupled = ns.DataParallelMeshDims(shard=("s",), replicate=("r",))
+    got = (tupled.shard_names, tupled.replicate_names)
+    assert got == (("s",), ("r",)), f"{ctx.where()} shard/replicate names {got}"
+    ctx.seed(0)
+    pair = Pair().to(ctx.device)
+    models = {}
+    for what, dims in (
+        ("tuples", tupled),
+        ("names", ns.DataParallelMeshDims(shard="s", replicate="r")),
+    ):
+        model = OnMesh(copy.deepcopy(pair), mesh, None)
+        for unit in (model.inp, model.out, model):
+            ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=dims)
+        models[what] = model
+    for (fqn, param), (_, want) in zip(
+        models["tuples"].named_parameters(), models["names"].named_parameters()
+    ):
+        assert param.placements == want.placements, (
+            f"{ctx.where()} {fqn}: placements {param.placements} with tuples, "
+            f"{want.placements} with names"
+        )
+        assert torch.equal(param.to_local(), want.to_local()), f"{ctx.where()} {fqn}: local differs"
+        assert torch.equal(param.full_tensor(), want.full_tensor()), (
+            f"{ctx.where()} {fqn}: full value differs"
+        )

@@ -1,4 +1,5 @@
-"""Area "training": per-parameter meshes through ``shard_placement_fn`` (P60).
+"""Area "training": per-parameter meshes through ``shard_placement_fn`` (P60): they follow the
+unit's ``reshard_after_forward`` (P80), and one process group needs one ``FSDPMeshInfo`` (P104).
 
 [Note: two parameter groups per unit]
 ``shard_placement_fn`` may return ``ShardPlacementResult(placement, mesh_info)`` with an
@@ -25,13 +26,17 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
 from conformance.checks._shared.collectives import is_all_gather, output_numel
 from conformance.checks._shared.internals import ns_module
+from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import B, make_optimizer, step_and_compare
 from conformance.checks._shared.rows import chunk_of
+from conformance.checks.fully_shard.bad_input import _assert_untouched, _snapshot
+from conformance.checks.fully_shard.edges import Pair
 from conformance.checks.fully_shard.prefetch import gathered_numel
 from conformance.registry import check
 
@@ -173,3 +178,125 @@ def per_param_mesh(ctx):
         assert log == want, f"{ctx.where()} step {step}: backward order {log}, expected {want}"
         oracle(x).square().mean().backward()
         step_and_compare(ctx, model, oracle, opts, step)
+
+
+class Duo(nn.Module):
+    """``dense`` Linear(4, 6) -> tanh -> ``expert`` Linear(6, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(4, 6)
+        self.expert = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.expert(torch.tanh(self.dense(x))))
+
+
+class Top(nn.Module):
+    """Two ``Duo`` units and a ``head`` Linear(4, 4) owned by the root itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = Duo()
+        self.second = Duo()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+def _is_sharded(param) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_PER_PARAM_MESH},
+    world_sizes=(1,),
+)
+def per_param_mesh_reshard_default(ctx):
+    """P80: with ``shard_placement_fn`` putting every ``expert`` parameter and the root's ``head``
+    weight on a second mesh (``ShardPlacementResult(Shard(0), FSDPMeshInfo(mesh2,
+    shard_mesh_dim=0))``, a group of its own), ``fully_shard(first)`` without
+    ``reshard_after_forward``, ``fully_shard(second, reshard_after_forward=False)`` and the root
+    without it all succeed; right after a training forward every parameter of ``first`` (both
+    groups) is registered sharded (a DTensor), every one of ``second`` and of the root unsharded
+    (a plain tensor); after the backward all are sharded again, and the SGD step equals the
+    unsharded model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    ns = ctx.impl.ns
+    common = ns_module(ctx, "_fully_shard._fsdp_common")
+    ws, rank = ctx.world_size, ctx.rank
+    mesh = ctx.make_mesh((ws,))
+    mesh2 = DeviceMesh.from_group(dist.new_group(list(range(ws))), ctx.device.type)
+    other = common.FSDPMeshInfo(mesh2, shard_mesh_dim=0)
+
+    ctx.seed(0)
+    oracle = Top().to(ctx.device)
+    model = copy.deepcopy(oracle)
+    moved = {id(p) for duo in (model.first, model.second) for p in duo.expert.parameters()}
+    moved.add(id(model.head.weight))
+
+    def placement_fn(param):
+        if id(param) in moved:
+            return common.ShardPlacementResult(placement=Shard(0), mesh_info=other)
+        return None
+
+    ns.fully_shard(model.first, mesh=mesh, shard_placement_fn=placement_fn)
+    ns.fully_shard(
+        model.second, mesh=mesh, shard_placement_fn=placement_fn, reshard_after_forward=False
+    )
+    ns.fully_shard(model, mesh=mesh, shard_placement_fn=placement_fn)
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    g = torch.Generator().manual_seed(80)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    loss = model(x[rank * B : (rank + 1) * B]).square().mean()
+    for fqn, param in model.named_parameters():
+        want = fqn.startswith("first.")  # non-root, default: resharded after forward
+        assert _is_sharded(param) == want, (
+            f"{ctx.where()} after forward {fqn} is registered "
+            f"{'sharded' if _is_sharded(param) else 'unsharded'}, expected "
+            f"{'sharded' if want else 'unsharded'} (first: default, second: False, root: default)"
+        )
+    loss.backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert _is_sharded(param), f"{ctx.where()} after backward {fqn} is not sharded"
+    step_and_compare(ctx, model, oracle, opts, 0)
+
+
+@check(
+    area="training",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.FSDP2_PER_PARAM_MESH},
+    world_sizes=(1, 2),
+)
+def per_param_mesh_info_objects_refused(ctx):
+    """P104: a ``shard_placement_fn`` returning ``ShardPlacementResult(Shard(0),
+    FSDPMeshInfo(mesh, shard_mesh_dim=0))`` with a new ``FSDPMeshInfo`` object per parameter
+    (the same mesh, so the same process group) makes ``fully_shard`` raise ValueError "Params
+    sharing the same process group must use the same FSDPMeshInfo object ..." and shard nothing
+    (no ``FSDPModule``, parameters unchanged)."""
+    common = ns_module(ctx, "_fully_shard._fsdp_common")
+    ns = ctx.impl.ns
+    mesh = ctx.make_mesh((ctx.world_size,))
+    ctx.seed(0)
+    module = Pair().to(ctx.device)
+    before = _snapshot(module)
+
+    def placement_fn(param):
+        info = common.FSDPMeshInfo(mesh, shard_mesh_dim=0)
+        return common.ShardPlacementResult(placement=Shard(0), mesh_info=info)
+
+    expect_error(
+        ctx,
+        "fully_shard(shard_placement_fn=<a new FSDPMeshInfo per parameter>)",
+        ValueError,
+        r"Params sharing the same process group must use the same FSDPMeshInfo object",
+        lambda: ns.fully_shard(module, mesh=mesh, shard_placement_fn=placement_fn),
+    )
+    _assert_untouched(ctx, ns, module, before, "refused per-parameter mesh infos")

@@ -1,4 +1,5 @@
-"""Area "training": explicit all-gather prefetching (P38).
+"""Area "training": explicit all-gather prefetching (P38) and the implicit backward prefetch
+(P86).
 
 [Note: observing the order of all-gathers]
 ``set_modules_to_forward_prefetch([m])`` on unit u issues m's all-gather right after u's own (in
@@ -11,6 +12,16 @@ come l2, l0, l1 (without it: l2, l1, l0). The spy records every all-gather op at
 output's element count, and each unit is known by that count: the sum over its parameters of
 ``ceil(d0/ws) * row * ws`` (the padded all-gather output, P4), distinct for the three units at every
 world size from 2 to 4. At world size 1 there is nothing to gather, so the checks start at 2.
+
+[Note: implicit backward prefetch]
+Without ``set_modules_to_backward_prefetch`` a unit's pre-backward, right after its own all-gather,
+issues the all-gather of the unit whose forward ran just before it, before the unit's own gradient
+computation. For units l0, l1, l2 (Linear, run in that order, resharded after forward, under a
+root without parameters) and an input without grad, backward runs l2 (all-gathered, then l1
+prefetched), l2's two products (weight and input gradients), l1 (already gathered; l0
+prefetched), l1's two products, then l0's one (its input needs no gradient): ``l2, l1, mm, mm,
+l0, mm, mm, mm``. The spy records each all-gather by its output size (the Note above) and
+each ``aten.mm`` as ``mm``; at world size 1 nothing is gathered, so the check starts at 2.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conformance.adapters import base
-from conformance.checks._shared.collectives import is_all_gather, output_numel
+from conformance.checks._shared.collectives import EventSpy, is_all_gather, output_numel
 from conformance.checks._shared.oracle import (
     FP32,
     B,
@@ -181,3 +192,67 @@ def _build_plain(ctx):
     ctx.seed(0)
     plan = [(u, {}) for u in UNITS] + [("", {})]
     return ctx.impl.shard(Chain().to(ctx.device), ctx, plan=plan)
+
+
+# A Linear's backward: one mm for the weight's gradient, one for the input's when it needs one.
+BACKWARD_MM = {"l0": 1, "l1": 2, "l2": 2}
+
+
+def _implicit_prefetch_events(forward_order) -> list[str]:
+    """The module Note's schedule: in reverse forward order each unit is gathered (unless already
+    prefetched), then the unit before it in forward is prefetched, then its products run."""
+    events: list[str] = []
+    backward_order = list(reversed(forward_order))
+    for i, unit in enumerate(backward_order):
+        if unit not in events:
+            events.append(unit)
+        if i + 1 < len(backward_order):
+            events.append(backward_order[i + 1])
+        events += ["mm"] * BACKWARD_MM[unit]
+    return events
+
+
+@check(
+    area="training",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.AUTO_WRAP},
+    min_world_size=2,
+)
+def backward_prefetch_implicit(ctx):
+    """P86: units l0, l1, l2 (``prefetch.py``'s Chain, each ``reshard_after_forward=True``) under a
+    root without parameters, no ``set_modules_to_backward_prefetch``, an input without grad: in
+    each of two backwards the all-gathers and matrix products come ``l2, l1, mm, mm, l0, mm, mm,
+    mm`` (each unit's pre-backward prefetches the unit that ran before it in forward, before the
+    unit's own products); the sharded gradients and the values after each SGD step equal the
+    unsharded model's."""
+    ctx.seed(0)
+    oracle = Chain().to(ctx.device)
+    plan = [(u, {"reshard_after_forward": True}) for u in UNITS] + [("", {})]
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=plan)
+    sizes = {gathered_numel(getattr(oracle, u), ctx.world_size): u for u in UNITS}
+    assert len(sizes) == len(UNITS), f"{ctx.where()} setup: two units gather the same size {sizes}"
+    expected = _implicit_prefetch_events(UNITS)
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        g = torch.Generator().manual_seed(80 + step)
+        x = torch.randn(ctx.world_size * B, 4, generator=g).to(ctx.device)
+        loss = model(x[mine]).square().mean()
+        with EventSpy(sizes) as spy:
+            loss.backward()
+        assert spy.events == expected, (
+            f"{ctx.where()} step {step}: backward events {spy.events}, expected {expected} (each "
+            "unit's pre-backward prefetches the unit that ran before it in forward, before its "
+            "own products)"
+        )
+        oracle(x).square().reshape(ctx.world_size, -1).mean(1).mean().backward()
+        for name, param in model.named_parameters():
+            assert_close(
+                ctx,
+                f"step {step}: {name} sharded gradient with implicit prefetch",
+                param.grad.to_local(),
+                chunk_of(
+                    oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
+                ),
+                FP32["grad"],
+            )
+        step_and_compare(ctx, model, oracle, opts, step)

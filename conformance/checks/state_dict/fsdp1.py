@@ -1,15 +1,11 @@
-"""Area "state_dict", FSDP1 depth: device meshes, modules FSDP does not manage, offload, load errors.
+"""Area "state_dict", FSDP1 depth: device meshes, prefixes, ``use_orig_params=True``, zero-numel
+parameters and load errors (S1, S5-S8, S14, S17, R74). Modules FSDP does not manage (S3, S18)
+are ``unmanaged.py``'s, ``offload_to_cpu`` (S5, S7) ``offload.py``'s.
 
 Rules (the kinds themselves are in ``kinds.py``'s Note):
 * S6 mesh: an FSDP1 model built with ``device_mesh`` saves SHARDED parameters as ``DTensor`` s
   placed ``(Shard(0),)`` on that mesh, holding the same rows a ShardedTensor would, and loads them
   back; LOCAL with a mesh is refused on save and on load with upstream's RuntimeError.
-* S3/S18 unmanaged entries: ``rank0_only`` empties only what FSDP manages on ranks other than 0
-  (its parameters and buffers); entries of modules outside every FSDP unit - a non-FSDP root's
-  own layers, a module attached to the wrapped module after wrapping ("skip module") - stay on
-  every rank as plain tensors with their values.
-* S5/S7 offload: ``offload_to_cpu`` changes where SHARDED / LOCAL values live, never what they
-  hold (same types, shard metadata and values as without it).
 * S1/S14 prefixes: ``state_dict(prefix=...)`` and a plain parent put every entry under the prefix
   and a dict saved that way loads back.
 * S17 use_orig_params=True: FULL / SHARDED keys and values are those of use_orig_params=False.
@@ -27,10 +23,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.adapters.base import NotSupported
 from conformance.checks._shared.sd_models import (
     AREA,
-    NET_PLAN,
     Net,
     assert_clean_keys,
     assert_entry,
@@ -141,77 +135,6 @@ class NonFsdpRoot(nn.Module):
         return out
 
 
-def build_with_skip(ctx, salt: int = 0):
-    """``Net`` sharded with ``outer`` detached during wrapping and attached again afterwards: a
-    module inside the wrapped module that no FSDP unit manages (upstream's SkipModel)."""
-    raw = Net(salt).to(ctx.device)
-    skipped = raw.outer
-    del raw.outer
-    model = ctx.impl.shard(raw, ctx, plan=NET_PLAN)
-    raw.outer = skipped
-    return model, raw
-
-
-def _assert_unmanaged_dict(ctx, sd, expected, unmanaged, rank0_only, kind="full", sharded=()):
-    """Rank 0 (every rank without rank0_only) has ``expected``; other ranks under rank0_only have
-    exactly the ``unmanaged`` entries; unmanaged entries are plain tensors with their values, the
-    ``sharded`` ones this rank's chunk."""
-    want = set(expected) if ctx.rank == 0 or not rank0_only else set(unmanaged)
-    assert_clean_keys(ctx, sd)
-    assert set(sd) == want, (
-        f"{ctx.where()} {kind}{' rank0_only' if rank0_only else ''} keys: extra "
-        f"{sorted(set(sd) - want)}, missing {sorted(want - set(sd))} (entries outside every FSDP "
-        "unit stay on every rank)"
-    )
-    for name in sorted(want):
-        assert_entry(ctx, name, sd[name], expected[name], full=name not in sharded)
-
-
-@check(area=AREA, requires={base.FULL_STATE_DICT, base.FSDP1_API}, min_world_size=2)
-def non_fsdp_root_rank0_only(ctx):
-    """S3: a plain (non-FSDP) root holding a plain Linear and an FSDP model: with ``rank0_only``
-    rank 0 gets every entry, the other ranks only the plain Linear's (plain tensors, right
-    values)."""
-    root = NonFsdpRoot(ctx)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(root, "full", rank0_only=True))
-    _assert_unmanaged_dict(ctx, sd, NonFsdpRoot.expected(), {"plain.weight", "plain.bias"}, True)
-
-
-SKIP_CASES = {
-    "full": {"kind": "full", "config": {}},
-    "full-rank0_only": {"kind": "full", "config": {"rank0_only": True}},
-    "sharded": {"kind": "sharded", "config": {}},
-}
-
-
-@check(area=AREA, requires={base.FSDP1_API}, cases=SKIP_CASES, min_world_size=2)
-def skip_module(ctx, kind, config):
-    """S18/S3: a module attached to the wrapped module after wrapping (managed by no unit) is saved
-    under its clean names as plain tensors, on every rank even with rank0_only, next to the
-    managed entries of the kind; the dict loads into a model built the same way (the skipped
-    module's values too)."""
-    require_kind(ctx, kind)
-    model, _ = build_with_skip(ctx)
-    sd = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, **config))
-    expected = plain_reference(Net, 0)
-    rank0_only = bool(config.get("rank0_only"))
-    unmanaged = {"outer.weight", "outer.bias"}
-    sharded = {n for n, _ in Net().named_parameters()} - unmanaged if kind == "sharded" else ()
-    _assert_unmanaged_dict(ctx, sd, expected, unmanaged, rank0_only, kind, sharded)
-    if rank0_only:
-        sd = broadcast_from_rank0(ctx, sd)
-    dst, raw = build_with_skip(ctx, salt=1)
-    first_error_everywhere(ctx, lambda: ctx.impl.load_state_dict(dst, sd, kind))
-    managed = {k: v for k, v in expected.items() if not k.startswith("outer.")}
-    assert_loaded(ctx, dst, managed, f"after loading a {kind} dict")
-    for name in ("weight", "bias"):
-        got = getattr(raw.outer, name).detach().cpu()
-        assert torch.equal(got, expected[f"outer.{name}"]), (
-            f"{ctx.where()} skipped module outer.{name} after load {got.reshape(-1)[:4].tolist()}, "
-            f"expected {expected[f'outer.{name}'].reshape(-1)[:4].tolist()}"
-        )
-
-
 # --------------------------------------------------------------------------------- offload
 def _local_tensors(value) -> list[torch.Tensor]:
     if hasattr(value, "local_shards"):
@@ -219,55 +142,6 @@ def _local_tensors(value) -> list[torch.Tensor]:
     if hasattr(value, "to_local"):
         return [value.to_local()]
     return [value]
-
-
-def _metadata(value):
-    if hasattr(value, "local_shards"):
-        return (
-            "ShardedTensor",
-            tuple(value.metadata().size),
-            [tuple(s.metadata.shard_offsets) for s in value.local_shards()],
-        )
-    return (type(value).__name__, tuple(value.shape), [])
-
-
-OFFLOAD_CASES = {k: {"kind": k} for k in ("sharded", "local")}
-
-
-@check(area=AREA, requires={base.FLAT_PARAM}, cases=OFFLOAD_CASES, min_world_size=2)
-def offload_to_cpu_values(ctx, kind):
-    """S5/S7: with ``offload_to_cpu=True`` the SHARDED / LOCAL dict has the same keys, types, shard
-    sizes and offsets, and values as without it."""
-    require_kind(ctx, kind)
-    model = build(ctx)
-    plain = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind))
-    off = first_error_everywhere(ctx, lambda: ctx.impl.state_dict(model, kind, offload_to_cpu=True))
-    assert set(off) == set(plain), f"{ctx.where()} offload keys {sorted(off)} != {sorted(plain)}"
-    for name in sorted(plain):
-        assert _metadata(off[name]) == _metadata(plain[name]), (
-            f"{ctx.where()} {name}: with offload {_metadata(off[name])}, without {_metadata(plain[name])}"
-        )
-        for a, b in zip(_local_tensors(off[name]), _local_tensors(plain[name])):
-            assert torch.equal(a.cpu(), b.cpu()), f"{ctx.where()} {name}: offloaded values differ"
-
-
-@check(area=AREA, requires={base.FLAT_PARAM}, cases=OFFLOAD_CASES, min_world_size=2)
-def offload_to_cpu_device(ctx, kind):
-    """S5/S7: with ``offload_to_cpu=True`` every local shard of a SHARDED / LOCAL dict is on the
-    CPU (needs an accelerator: on a CPU run every tensor is on the CPU anyway)."""
-    require_kind(ctx, kind)
-    if ctx.device.type == "cpu":
-        raise NotSupported(
-            "an accelerator: on CPU, offloaded and resident tensors are both on the CPU"
-        )
-    sd = first_error_everywhere(
-        ctx, lambda: ctx.impl.state_dict(build(ctx), kind, offload_to_cpu=True)
-    )
-    for name, value in sd.items():
-        if not hasattr(value, "local_shards"):
-            continue  # buffers are not offloaded
-        for t in _local_tensors(value):
-            assert t.device.type == "cpu", f"{ctx.where()} {name}: offloaded shard on {t.device}"
 
 
 # ------------------------------------------------------------------------------ load errors

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _batch, _kwargs
 from conformance.checks._shared.oracle import FP32, assert_close
-from conformance.checks.fsdp1.error_paths import _batch, _kwargs
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API, base.FSDP1_OPTIM_STATE_DICT}

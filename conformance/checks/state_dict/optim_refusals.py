@@ -3,7 +3,7 @@
 state of parameters that have none, or none but Python values (R102, R103).
 
 The refusals are pinned as [Note: refusals are contracts] in ``conformance/checks/fsdp1/
-error_paths.py`` says: exception type, a stable part of upstream's message, and where cheap that
+init_errors.py`` says: exception type, a stable part of upstream's message, and where cheap that
 the refused call changed nothing.
 """
 
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import REQUIRES, _batch, _kwargs, _nested
 from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import full_params
-from conformance.checks.fsdp1.error_paths import REQUIRES, _batch, _kwargs, _nested
 from conformance.registry import check
 
 

@@ -1,4 +1,5 @@
-"""Area "wrap": FSDP1 auto-wrap edges reached through public calls only (W25).
+"""Area "wrap": FSDP1's ``auto_wrap_policy`` at construction, on a child registered under the
+empty name (W25).
 
 [Note: a child registered under the empty name]
 ``nn.Module.add_module`` refuses the empty name, but ``setattr(parent, "", child)`` registers a
@@ -13,15 +14,11 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.registry import check
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
 
 
 @check(area="wrap", requires={base.AUTO_WRAP, base.FSDP1_API}, world_sizes=(1,))
