@@ -91,6 +91,7 @@ FSDP1_TENSOR_PARALLEL = "fsdp1-tensor-parallel"  # FSDP1 over DTensor (tensor-pa
 FSDP1_NO_SYNC_ORIG_GRADS = "fsdp1-no-sync-orig-grads"  # original .grad inside no_sync()
 FSDP1_UNSAFE_SETATTR = "fsdp1-unsafe-setattr"  # env FSDP_USE_UNSAFE_SETATTR=1 (FSDP1)
 FSDP1_LOCAL_ORIG_PARAMS = "fsdp1-local-orig-params"  # LOCAL_STATE_DICT with use_orig_params=True
+FSDP1_DYNAMO = "fsdp1-dynamo"  # managed modules marked for torch.compile (use_orig_params)
 
 ALL_CAPABILITIES = frozenset(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)
@@ -218,6 +219,10 @@ PROMISES = {
     FSDP1_LOCAL_ORIG_PARAMS: "`state_dict(m, 'local')` (LOCAL_STATE_DICT) also on units built "
     "with `use_orig_params=True`, the flat parameter following its original parameters' "
     "`requires_grad`",
+    FSDP1_DYNAMO: "an FSDP1 unit marks the modules it manages (not its ignored modules) for "
+    "`torch.compile`'s dynamo with its `use_orig_params`: compiling a managed module with "
+    "`fullgraph=True` raises `torch._dynamo.exc.Unsupported` ('FSDP with use_orig_params=False') "
+    "when that is False and traces it otherwise, as upstream's FSDP1",
 }
 
 

@@ -57,6 +57,7 @@ class FlatParamAdapter(NamespaceImplementation):
             base.FSDP1_NO_SYNC_ORIG_GRADS,
             base.FSDP1_LOCAL_ORIG_PARAMS,
             base.FSDP1_UNSAFE_SETATTR,
+            base.FSDP1_DYNAMO,
         }
     )
     known_options: ClassVar[frozenset[str]] = frozenset(

@@ -84,6 +84,8 @@ def _reference_fsdp1():
         base.FSDP1_NO_SYNC_ORIG_GRADS,
         base.FSDP1_LOCAL_ORIG_PARAMS,
         base.FSDP1_UNSAFE_SETATTR,
+        # no marks for torch.compile on the modules it manages (docs/adapters.md)
+        base.FSDP1_DYNAMO,
     }
     return impl
 

@@ -2,7 +2,10 @@
 
 [Note: training states]
   ``IDLE``               parameters sharded; the only state in which summon/state-dict may start.
-  ``FORWARD_BACKWARD``   inside ``forward`` of this module (its views point at the gathered tensor).
+  ``FORWARD_BACKWARD``   inside ``forward`` of this module (its views point at the gathered tensor),
+                         and in a backward from the first gradient that reaches the module (one of
+                         its outputs', or, for a module whose parameters need no gradient, its
+                         inputs') until that backward ends (see :func:`_enter_backward`).
   ``SUMMON_FULL_PARAMS`` inside :func:`_unshard_fsdp_state_params`: every original name is an
                          ``nn.Parameter`` with its full shape, a view into the gathered flat tensor.
 
@@ -34,7 +37,9 @@ from enum import Enum, auto
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState, _warn
 from reference._fsdp1._flat_param import FLAT_PARAM
@@ -99,7 +104,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     handle = state._handle
     if handle is None:
         return _run_wrapped(state, args, kwargs)
-    if state.training_state != TrainingState.IDLE:
+    if state.training_state == TrainingState.SUMMON_FULL_PARAMS:  # a backward may recompute it
         raise RuntimeError(
             f"FSDP forward called in state {state.training_state.name}; forward is only allowed "
             "when no summon_full_params / state_dict unshard is active on this module"
@@ -116,8 +121,11 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     finally:
         handle.reshard()
         state.training_state = TrainingState.IDLE
-    if torch.is_grad_enabled() and handle.flat_param.requires_grad:
-        handle.post_forward(padded)
+    if torch.is_grad_enabled():
+        if handle.flat_param.requires_grad:
+            handle.post_forward(padded)
+        else:  # frozen: no gradient of its own, but its backward still computes its inputs'
+            _register_inputs_backward_hook(state, args, kwargs)
         _register_pre_backward_hooks(state, handle, output)
     return output
 
@@ -146,12 +154,35 @@ def _read_orig_param(state: _FSDPState, name: str) -> torch.Tensor | None:
     return handle.unflatten(handle.unshard_for_compute())[index]
 
 
+def _enter_backward(state: _FSDPState) -> None:
+    """A gradient reached ``state`` 's module in a backward: it is busy (``FORWARD_BACKWARD``)
+    until that backward ends, so ``summon_full_params`` refuses it meanwhile (R113). A backward
+    reaching a module inside ``summon_full_params`` is refused (R90)."""
+    if state.training_state == TrainingState.FORWARD_BACKWARD:
+        return
+    state._assert_idle()
+    state.training_state = TrainingState.FORWARD_BACKWARD
+
+    def backward_done() -> None:
+        state.training_state = TrainingState.IDLE
+
+    Variable._execution_engine.queue_callback(backward_done)
+
+
+def _register_inputs_backward_hook(state: _FSDPState, args: Any, kwargs: Any) -> None:
+    """A module whose parameters need no gradient enters the backward once the gradients of its
+    inputs that need one are computed (no output hook runs when its output gets no gradient)."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.requires_grad]
+    if inputs:
+        register_multi_grad_hook(inputs, lambda grads: _enter_backward(state))
+
+
 def _register_pre_backward_hooks(state: _FSDPState, handle: Any, output: Any) -> None:
-    """Call ``handle.pre_backward`` when the first gradient w.r.t. an output arrives; a backward
-    reaching a module that is not idle (inside ``summon_full_params``) is refused (R90)."""
+    """When a gradient w.r.t. an output arrives, enter the backward and call
+    ``handle.pre_backward`` (nothing to gather for a frozen module: it kept its gathered tensor)."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        state._assert_idle()
+        _enter_backward(state)
         handle.pre_backward()
         return grad
 
