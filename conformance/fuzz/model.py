@@ -19,6 +19,13 @@ An *example* is a dict of plain values (it pickles, and ``repr`` of it is valid 
 ``assign``      FSDP2 DTensor state dicts load with ``load_state_dict(..., assign=True)``
 ``mesh``        ``[replicate, shard]``: every unit is sharded on that 2-D (HSDP) mesh
 ``divide_factors``  unit path -> ``set_gradient_divide_factor`` value (FSDP2)
+``unit_knobs``  unit path -> FSDP1 runtime kwargs of that unit (every unit of the plan has one):
+                ``sharding_strategy`` / ``backward_prefetch`` (member names of upstream's enums,
+                or None: no prefetch), ``forward_prefetch``, ``limit_all_gathers`` (one value for
+                every unit); see :func:`knob_kwargs`
+``accumulate``  FSDP1 micro-batches run under ``no_sync()`` before each synced one (0: none)
+``fsdp1_mesh``  ``[replicate, shard]``: every FSDP1 unit is a hybrid one (``unit_knobs``) on the
+                2-D mesh of that shape, passed as its ``device_mesh``
 
 Module paths are ``nn.Sequential``-style (``"0.1"``); the root's path is ``""``.
 """
@@ -155,6 +162,36 @@ def plan(example: dict, plain: bool = False) -> list[tuple[str, dict]]:
     units = sorted(example.get("wrap", ()), key=lambda p: (-p.count("."), p))
     extra = {} if plain else example.get("unit_options", {})
     return [(p, dict(extra.get(p, {}))) for p in units] + [("", dict(extra.get("", {})))]
+
+
+# unit_knobs entries that name a member of one of upstream's enums (``ns.<enum>.<name>``)
+KNOB_ENUMS = {"sharding_strategy": "ShardingStrategy", "backward_prefetch": "BackwardPrefetch"}
+
+
+def knob_kwargs(example: dict, unit: str, ns) -> dict:
+    """The FSDP1 kwargs of ``unit`` from ``example["unit_knobs"]``, enum members taken from the
+    implementation's namespace ``ns``."""
+    out = {}
+    for key, value in example.get("unit_knobs", {}).get(unit, {}).items():
+        if key in KNOB_ENUMS and value is not None:
+            value = getattr(getattr(ns, KNOB_ENUMS[key]), value)
+        out[key] = value
+    return out
+
+
+def shard_group_sizes(example: dict, units: list[str], world_size: int) -> dict[str, int]:
+    """unit path -> the size of the group its flat parameter is sharded over (R19): 1 under
+    NO_SHARD (and at world size 1), the shard dim of ``fsdp1_mesh`` under a hybrid strategy, the
+    world size otherwise. A unit the example has no knobs for (a batch norm that mixed precision
+    made a unit of its own, W11) is built with the root's."""
+    knobs = example.get("unit_knobs", {})
+    sizes = {"NO_SHARD": 1}
+    if example.get("fsdp1_mesh"):
+        sizes |= dict.fromkeys(("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"), example["fsdp1_mesh"][1])
+    return {
+        u: sizes.get(knobs.get(u, knobs.get("", {})).get("sharding_strategy"), world_size)
+        for u in units
+    }
 
 
 def shard_options(example: dict, model: nn.Module) -> dict:

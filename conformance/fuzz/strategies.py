@@ -15,7 +15,16 @@ because its mixed-precision examples draw no zero dims (below).
 Options drawn for one kind of check only: ``assign`` (FSDP2's own DTensor dict loaded with
 ``assign=True``: state_dict_round_trip[sharded]); an HSDP ``mesh`` (``HSDP_MESHES``: (1, 2) or
 (2, 1) at ws 2, (2, 2) at ws 4) and per-unit ``divide_factors`` from (1, ws, 3) (FSDP2 API:
-train_parity, whose oracle scales each unit's gradient by ws / f). Per-check drops for a
+train_parity, whose oracle scales each unit's gradient by ws / f); ``accumulate``: 0-2 FSDP1
+micro-batches under ``no_sync()`` before each synced one (train_parity, whose oracle sums the
+gradients of all of them). FSDP1's runtime knobs (``unit_knobs``, implementations declaring
+``flat-param`` and ``fsdp1-api``): ``sharding_strategy`` per unit (:data:`STRATEGIES`; an example
+with ``rank0_only`` has no NO_SHARD unit; for layout and train_parity, a third of the examples at
+ws 2 and 4 put every unit on an ``fsdp1_mesh`` from ``HSDP_MESHES`` with HYBRID_SHARD or
+_HYBRID_SHARD_ZERO2, capability ``fsdp1-hybrid-shard``), and for the training checks ``backward_prefetch`` /
+``forward_prefetch`` per unit (capability ``fsdp1-prefetch``) and ``limit_all_gathers`` (one value
+for every unit, as upstream requires); every unit of the plan gets them explicitly, since FSDP1
+passes the root's kwargs on to the units it wraps. Per-check drops for a
 deviation set (torch-fsdp2's divide factors, ...) are :class:`conformance.fuzz.Drop` s next to the
 checks.
 
@@ -38,7 +47,11 @@ in :mod:`conformance.fuzz`), so the fuzz exercises them on the reference and on 
   ``reshard_after_forward`` values;
 * ``torch-fsdp1``: FSDP1 wraps batch norms as their own units when mixed precision meets a wrap
   policy (W11), which can leave a unit with only empty parameters (the empty-unit limitation
-  above): examples with mixed precision have no zero dims.
+  above): examples with mixed precision have no zero dims;
+* ``torch-fsdp1``: torch 2.13's FSDP1 switches a hybrid unit whose shard group has one rank to
+  NO_SHARD and never reduces its gradients across the replicate group
+  (``fsdp1_runtime::hybrid_shard_default_groups``, torch-fsdp1.cpu expectations): training
+  examples put FSDP1 hybrid units on no (replicate, 1) mesh.
 
 Per-check steers are :class:`conformance.fuzz.Drop` s next to the checks
 (``conformance/checks/fuzz/_drops.py``), e.g. torch-fsdp1's SHARDED_STATE_DICT load raises
@@ -81,6 +94,11 @@ RANK0_ONLY = "rank0-only"  # FSDP1 FULL state dicts with FullStateDictConfig(ran
 ASSIGN = "assign"  # FSDP2 module.load_state_dict(own DTensor dict, assign=True) (P9)
 HSDP = "hsdp"  # a 2-D (replicate, shard) mesh at ws 2 and 4
 DIVIDE_FACTOR = "divide-factor"  # FSDP2 set_gradient_divide_factor per unit
+STRATEGY = "sharding-strategy"  # FSDP1 sharding_strategy per unit
+# FSDP1 backward_prefetch / forward_prefetch per unit, limit_all_gathers per model
+PREFETCH = "fsdp1-prefetch"
+ACCUMULATE = "no-sync-accumulation"  # FSDP1 micro-batches under no_sync() before a synced one
+FSDP1_HSDP = "fsdp1-hsdp"  # FSDP1 HYBRID_SHARD / _HYBRID_SHARD_ZERO2 units on a 2-D mesh
 # (replicate, shard) mesh shapes per world size
 HSDP_MESHES = {2: [[1, 2], [2, 1]], 4: [[2, 2]]}
 ALL_FEATURES = frozenset(
@@ -97,8 +115,18 @@ ALL_FEATURES = frozenset(
         ASSIGN,
         HSDP,
         DIVIDE_FACTOR,
+        STRATEGY,
+        PREFETCH,
+        ACCUMULATE,
+        FSDP1_HSDP,
     }
 )
+# FSDP1 runtime knobs, per unit (a plan kwarg of every unit; limit_all_gathers has one value for
+# the whole model), first values the defaults so that shrinking goes back to them
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+HYBRID_STRATEGIES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]  # every unit, on one HSDP_MESHES mesh
+BACKWARD_PREFETCHES = ["BACKWARD_PRE", None, "BACKWARD_POST"]
+ACCUMULATIONS = [0, 1, 2]  # micro-batches under no_sync() before each synced one
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,7 @@ NO_ZERO_BACKWARD = "no-zero-numel-backward"
 NO_INT_RAF_WITH_PLACEMENTS = "no-int-reshard-with-placements"
 NO_EMPTY_FLAT_UNITS = "no-units-of-only-empty-parameters"
 NO_ZERO_WITH_MP_FLAT = "no-zero-dims-with-flat-mixed-precision"
+NO_ONE_RANK_HYBRID_GROUP = "no-hybrid-shard-group-of-one-rank"
 _EMPTY_UNIT = "unsharded_start_idx: 0 unsharded_end_idx: -1"
 STEERS = (
     Steer(
@@ -160,6 +189,18 @@ STEERS = (
         "which can leave a unit of only empty parameters, which torch 2.13's FSDP1 cannot wrap",
         raises="AssertionError",
         match=_EMPTY_UNIT,
+    ),
+    Steer(
+        NO_ONE_RANK_HYBRID_GROUP,
+        "torch-fsdp1",
+        frozenset({FSDP1_HSDP, TRAINING}),
+        "torch 2.13's FSDP1 switches a hybrid unit whose shard group has one rank to NO_SHARD over "
+        "that group and never reduces its gradients across the replicate group (each rank steps "
+        "on its own gradient); pinned by fsdp1_runtime::hybrid_shard_default_groups "
+        "(expectations/torch-fsdp1.cpu.txt, where the CPU's one-device nodes give such groups): "
+        "training examples draw no (replicate, 1) mesh",
+        raises="AssertionError",
+        match="max abs difference",
     ),
 )
 
@@ -361,4 +402,35 @@ def examples(draw, ws: int, impl, features=ALL_FEATURES) -> dict:
             for u in wrap + [""]
             if draw(st.booleans())
         }
+    fsdp1 = {base.FLAT_PARAM, base.FSDP1_API} <= caps
+    knobs = {u: {} for u in wrap + [""]}
+    if STRATEGY in features and fsdp1:
+        # S8 substitutes FULL with the default config for a NO_SHARD unit: what rank0_only does
+        # there is left open, so an example with rank0_only shards every unit
+        strategies = STRATEGIES[:2] if example.get("rank0_only") else STRATEGIES
+        if (
+            FSDP1_HSDP in features
+            and base.FSDP1_HYBRID_SHARD in caps
+            and ws in HSDP_MESHES
+            and draw(st.sampled_from([False, False, True]))
+        ):
+            meshes = HSDP_MESHES[ws]
+            if NO_ONE_RANK_HYBRID_GROUP in steered and TRAINING in features:
+                meshes = [m for m in meshes if m[1] > 1]
+            example["fsdp1_mesh"] = list(draw(st.sampled_from(meshes)))
+            strategies = HYBRID_STRATEGIES
+        for u in knobs:
+            knobs[u]["sharding_strategy"] = draw(st.sampled_from(strategies))
+    if PREFETCH in features and fsdp1:
+        if base.FSDP1_PREFETCH in caps:
+            for u in knobs:
+                knobs[u]["backward_prefetch"] = draw(st.sampled_from(BACKWARD_PREFETCHES))
+                knobs[u]["forward_prefetch"] = draw(st.booleans())
+        limit = draw(st.sampled_from([True, False]))  # one value for the model (FSDP1 rule)
+        for u in knobs:
+            knobs[u]["limit_all_gathers"] = limit
+    if any(knobs.values()):
+        example["unit_knobs"] = knobs
+    if ACCUMULATE in features and fsdp1 and base.TRAINING in caps:
+        example["accumulate"] = draw(st.sampled_from(ACCUMULATIONS))
     return example

@@ -309,6 +309,53 @@ def test_hsdp_meshes_and_divide_factors_reach_train_parity():
         assert fs.HSDP not in features and fs.DIVIDE_FACTOR not in features
 
 
+def test_fsdp1_runtime_knobs_reach_the_examples():
+    """FSDP1 implementations' train_parity examples give every unit of the plan a drawn
+    sharding_strategy (each of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD drawn), prefetch knobs only
+    where ``fsdp1-prefetch`` is declared, one limit_all_gathers per model and 0-2 no_sync
+    micro-batches; hybrid strategies (torch-fsdp1: ``fsdp1-hybrid-shard``) on every unit of an
+    example with an ``fsdp1_mesh``, never a one-rank shard row in training (its steer);
+    FSDP2-style ones get none; layout draws strategies but no prefetch or accumulation; an
+    example with rank0_only has no NO_SHARD unit and no state-dict case draws a hybrid mesh."""
+    from conformance.checks.fuzz.fuzz import layout, train_parity
+    from conformance.checks.fuzz.state_dict import state_dict_round_trip
+
+    for impl in ("torch-fsdp1", "reference-fsdp1", "reference"):
+        drawn = _derandomized(impl, _case_features(train_parity, "", impl), 40)
+        if impl == "reference":
+            assert not any("unit_knobs" in e or "accumulate" in e for e in drawn)
+            continue
+        assert all(set(e["unit_knobs"]) == set(e["wrap"]) | {""} for e in drawn)
+        knobs = [k for e in drawn for k in e["unit_knobs"].values()]
+        want = set(fs.STRATEGIES) | (set(fs.HYBRID_STRATEGIES) if impl == "torch-fsdp1" else set())
+        assert {k["sharding_strategy"] for k in knobs} == want, impl
+        for e in drawn:  # hybrid: every unit, on one (replicate, shard) mesh of a shard row > 1
+            hybrid = {
+                k["sharding_strategy"] in fs.HYBRID_STRATEGIES for k in e["unit_knobs"].values()
+            }
+            assert hybrid == {"fsdp1_mesh" in e}, e
+            assert "fsdp1_mesh" not in e or e["fsdp1_mesh"] in ([1, 2],), e
+        prefetch = [k["backward_prefetch"] for k in knobs if "backward_prefetch" in k]
+        if impl == "torch-fsdp1":
+            assert set(prefetch) == set(fs.BACKWARD_PREFETCHES), prefetch
+            assert {k["forward_prefetch"] for k in knobs} == {False, True}
+        else:  # reference-fsdp1 does not declare fsdp1-prefetch
+            assert not prefetch and not any("forward_prefetch" in k for k in knobs)
+        for e in drawn:
+            assert len({k["limit_all_gathers"] for k in e["unit_knobs"].values()}) == 1
+        assert {e["accumulate"] for e in drawn} == set(fs.ACCUMULATIONS)
+    drawn = _derandomized("torch-fsdp1", _case_features(layout, "", "torch-fsdp1"), 30)
+    assert all("accumulate" not in e for e in drawn)
+    assert all(set(k) == {"sharding_strategy"} for e in drawn for k in e["unit_knobs"].values())
+    features = _case_features(state_dict_round_trip, "full", "torch-fsdp1")
+    sd_drawn = _derandomized("torch-fsdp1", features, 60)
+    assert not any("fsdp1_mesh" in e for e in sd_drawn)
+    rank0 = [e for e in sd_drawn if e.get("rank0_only")]
+    assert rank0 and all(
+        k["sharding_strategy"] != "NO_SHARD" for e in rank0 for k in e["unit_knobs"].values()
+    )
+
+
 def test_divide_factor_scales_the_oracle_gradient_per_unit():
     """With a unit's divide factor f the sharded gradient is the ranks' SUM over f, i.e. ws / f times
     the oracle's mean-loss gradient, for the parameters that unit manages; others keep 1."""

@@ -11,6 +11,7 @@ steps (``MP_TOL``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -30,7 +31,11 @@ FP32 = {"loss": dict(rtol=1e-4, atol=1e-4), "param": dict(rtol=1e-4, atol=1e-4)}
 # parameters themselves by ~4e-3 relative, which tiny updates of a random model do not dominate);
 # a missing or doubled divide is off by 100% of the update
 MP_TOL = {"loss": dict(rtol=3e-2, atol=1e-2), "update": 0.25, "atol": 1e-3}
+# micro-batch m < accumulate of step s trains on the batch of index ACCUMULATE_BATCHES*(m+1)+s
+ACCUMULATE_BATCHES = 100
 NO_TRAINING = fs.ALL_FEATURES - {
+    fs.PREFETCH,
+    fs.ACCUMULATE,
     fs.ORIG_PARAMS,
     fs.TRAINING,
     fs.CPU_OFFLOAD,
@@ -50,11 +55,54 @@ def shard(ctx, example: dict, salt: int = 0, impl=None, plain: bool = False):
     options = {} if plain else fm.shard_options(example, model)
     if example.get("mesh") and not plain:
         options["mesh"] = ctx.make_mesh(tuple(example["mesh"]), ("replicate", "shard"))
-    sharded = impl.shard(model, ctx, plan=fm.plan(example, plain), **options)
+    plan = fm.plan(example, plain)
+    if example.get("unit_knobs") and not plain:
+        plan = [
+            (unit, {**kwargs, **fm.knob_kwargs(example, unit, impl.ns)}) for unit, kwargs in plan
+        ]
+        if example.get("fsdp1_mesh"):  # hybrid units: every one on the same 2-D mesh
+            mesh = ctx.make_mesh(tuple(example["fsdp1_mesh"]), ("replicate", "shard"))
+            plan = [(unit, {**kwargs, "device_mesh": mesh}) for unit, kwargs in plan]
+    sharded = impl.shard(model, ctx, plan=plan, **options)
     if not plain:
         for unit, factor in example.get("divide_factors", {}).items():
             sharded.get_submodule(unit).set_gradient_divide_factor(factor)
     return sharded, oracle
+
+
+def flat_units(example: dict, oracle) -> list[str]:
+    """The FSDP1 units of ``example``: its wrap plan and the root, and, when mixed precision meets a
+    wrap plan, every batch norm (W11)."""
+    units = set(example["wrap"]) | {""}
+    if example["wrap"] and example.get("options", {}).get("mixed_precision"):  # W11
+        units |= {n for n, m in oracle.named_modules() if isinstance(m, fm.BatchNormLeaf)}
+    return sorted(units)
+
+
+def shard_groups(example: dict, oracle, world_size: int) -> dict[str, int]:
+    """Parameter FQN (first names) -> the size of the group its FSDP1 unit shards it over (R19:
+    1 under NO_SHARD, else the world size); see :func:`conformance.fuzz.model.shard_group_sizes`."""
+    units = flat_units(example, oracle)
+    sizes = fm.shard_group_sizes(example, units, world_size)
+    return {f: sizes[u] for u, fqns in fm.managed(oracle, units).items() for f in fqns}
+
+
+def owner(path: str, units: list[str]) -> str:
+    """The unit that manages what the module at ``path`` holds: the deepest unit containing it."""
+    inside = [u for u in units if u == "" or path == u or path.startswith(u + ".")]
+    return max(inside, key=lambda u: (u.count(".") + 1 if u else 0, len(u)))
+
+
+def name_groups(example: dict, oracle, world_size: int) -> dict[str, int]:
+    """:func:`shard_groups` for every parameter name, tied aliases too, and every buffer name (its
+    module's unit)."""
+    units = flat_units(example, oracle)
+    sizes = fm.shard_group_sizes(example, units, world_size)
+    out = {n: sizes[owner(n.rpartition(".")[0], units)] for n, _ in oracle.named_buffers()}
+    groups, first = shard_groups(example, oracle, world_size), {}
+    for name, p in oracle.named_parameters(remove_duplicate=False):
+        out[name] = groups[first.setdefault(id(p), name)]
+    return out
 
 
 def grad_scales(example: dict, oracle, world_size: int) -> dict[str, float]:
@@ -75,29 +123,33 @@ def grad_scales(example: dict, oracle, world_size: int) -> dict[str, float]:
 def train(ctx, model, oracle, example: dict, steps: int) -> None:
     """``steps`` SGD steps of the sharded model (rank r: samples r*B..(r+1)*B of the global batch)
     and of the oracle (the whole batch, its gradients scaled by :func:`grad_scales`); rank r's loss
-    must equal the oracle's on its samples."""
+    must equal the oracle's on its samples. With ``example["accumulate"]`` = k, each step runs k
+    micro-batches (other batches) under the root's ``no_sync()`` before the synced one: the oracle
+    accumulates the gradients of all k + 1 (R45)."""
     low = bool(example.get("options", {}).get("mixed_precision"))
     opt = torch.optim.SGD(model.parameters(), lr=fm.LR)
     oopt = torch.optim.SGD(oracle.parameters(), lr=fm.LR)
     mine = slice(ctx.rank * fm.B, (ctx.rank + 1) * fm.B)
     scales = grad_scales(example, oracle, ctx.world_size)
+    accumulate = example.get("accumulate", 0)
     for step in range(steps):
-        x, t, y = fm.batch(example, ctx.world_size, step, ctx.device, oracle.out_width)
-        loss = fm.per_sample_loss(model(x[mine], t[mine]), y[mine]).mean()
-        oloss = fm.per_sample_loss(oracle(x, t), y)
-        oloss.mean().backward()
+        for micro in range(accumulate + 1):  # the last one synced, the others under no_sync()
+            synced = micro == accumulate
+            index = step if synced else ACCUMULATE_BATCHES * (micro + 1) + step
+            x, t, y = fm.batch(example, ctx.world_size, index, ctx.device, oracle.out_width)
+            with contextlib.nullcontext() if synced else model.no_sync():
+                loss = fm.per_sample_loss(model(x[mine], t[mine]), y[mine]).mean()
+                loss.backward()
+            oloss = fm.per_sample_loss(oracle(x, t), y)
+            oloss.mean().backward()  # accumulates: the oracle's gradient is the micro-batches' sum
+            what = f"step {step} loss" + ("" if synced else f" (micro-batch {micro}, no_sync)")
+            assert_close(
+                ctx, what, loss, oloss[mine].mean(), MP_TOL["loss"] if low else FP32["loss"]
+            )
         with torch.no_grad():
             for name, p in oracle.named_parameters():
                 if name in scales and p.grad is not None:
                     p.grad.mul_(scales[name])
-        loss.backward()
-        assert_close(
-            ctx,
-            f"step {step} loss",
-            loss,
-            oloss[mine].mean(),
-            MP_TOL["loss"] if low else FP32["loss"],
-        )
         for o in (opt, oopt):
             o.step()
             o.zero_grad()

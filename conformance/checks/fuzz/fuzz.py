@@ -25,6 +25,7 @@ from conformance.checks.fuzz._common import (
     oracle_params,
     saved_values,
     shard,
+    shard_groups,
     train,
 )
 from conformance.checks.fuzz._drops import TRAIN_PARITY_DROPS
@@ -38,24 +39,28 @@ from conformance.registry import check
 def layout(ctx, example):
     """Every parameter of a random model sits where the layout rule puts it: dim-0 (or the placed
     dim's) chunk of ceil(d/ws), or elements [r*ceil(N/ws), ...) of its unit's flat parameter with
-    zero padding; the all-gathered parameters equal the originals (P1, P7, P13)."""
+    zero padding, over the unit's shard group (the world size, or one rank under FSDP1's
+    NO_SHARD); the all-gathered parameters equal the originals (P1, P7, P13, R19)."""
     model, oracle = shard(ctx, example)
     originals = oracle_params(oracle)
     if base.PER_PARAM_DIM0 in ctx.impl.capabilities:
         assert_per_param_layout(ctx, model, originals, example)
     elif base.FLAT_PARAM in ctx.impl.capabilities:
         seen = []
+        groups = shard_groups(example, oracle, ctx.world_size)  # R19: 1 under NO_SHARD
         for fqns, shard_ in ctx.impl.flat_shards(model):
             order = [f for f in originals if f in fqns]
             assert fqns == order, (
                 f"{ctx.where()} flat parameter order {fqns}, expected registration order {order}"
             )
             flat = torch.cat([originals[f].reshape(-1) for f in fqns]) if fqns else torch.zeros(0)
-            start, end, chunk = flat_range(flat.numel(), ctx.world_size, ctx.rank)
+            group = groups.get(fqns[0], ctx.world_size) if fqns else ctx.world_size
+            start, end, chunk = flat_range(flat.numel(), group, ctx.rank % group)
             got = shard_.detach().cpu()
             assert got.numel() == chunk and torch.equal(got[: end - start], flat[start:end]), (
                 f"{ctx.where()} flat parameter of {fqns}: shard of {got.numel()} elements "
-                f"{got[:4].tolist()}, expected elements {start}:{end} of {flat.numel()} padded to {chunk}"
+                f"{got[:4].tolist()}, expected elements {start}:{end} of {flat.numel()} padded to "
+                f"{chunk} (a shard group of {group})"
             )
             assert not got[end - start :].any(), (
                 f"{ctx.where()} flat parameter of {fqns}: padding not zero"
@@ -85,7 +90,9 @@ def train_parity(ctx, example):
     """A random model trained 2-3 SGD steps, each rank on its slice of the global batch, has the
     oracle's per-rank losses and, after the steps, the oracle's parameters; also on an HSDP
     (replicate, shard) mesh and with per-unit gradient divide factors, whose oracle gradient is the
-    ranks' summed gradient divided by the factor (P6, P7, P16)."""
+    ranks' summed gradient divided by the factor; with FSDP1's per-unit sharding strategies and
+    prefetch knobs, and with micro-batches under ``no_sync()`` before each synced one, whose
+    oracle gradient is the sum over the micro-batches (P6, P7, P16, R19, R45)."""
     model, oracle = shard(ctx, example)
     before = oracle_params(oracle)
     train(ctx, model, oracle, example, example["steps"])
@@ -106,6 +113,7 @@ def _partner(impl):
 @fuzz_check(
     features=fs.ALL_FEATURES
     - {fs.MIXED_PRECISION, fs.CPU_OFFLOAD, fs.RANK0_ONLY, fs.ASSIGN, fs.HSDP, fs.DIVIDE_FACTOR}
+    - {fs.PREFETCH, fs.ACCUMULATE, fs.FSDP1_HSDP}
 )
 @check(area="fuzz", requires={base.TRAINING})
 def cross_load(ctx, example):

@@ -13,11 +13,14 @@ from conformance.checks.fuzz._common import (
     assert_per_param_layout,
     assert_restored,
     assert_trained,
+    flat_units,
+    name_groups,
     oracle_params,
     placement_dims,
     saved_buffers,
     saved_values,
     shard,
+    shard_groups,
     train,
 )
 from conformance.checks.fuzz._drops import SD_ROUND_TRIP_DROPS
@@ -29,21 +32,30 @@ from conformance.registry import check
 
 def local_expected(ctx, example: dict, oracle, values: dict) -> dict:
     """What a LOCAL dict must hold for ``example`` at ws >= 2 (S7): per unit that manages parameters
-    ``<unit>._flat_param`` (``_flat_param`` for the root) -> (unpadded flat numel N, this rank's
-    elements ``[r*ceil(N/ws), min((r+1)*ceil(N/ws), N))``), the flat parameter being the unit's
-    managed parameters (``values``, under their first names) flattened and concatenated in
-    registration order."""
-    units = set(example["wrap"]) | {""}
-    if example["wrap"] and example.get("options", {}).get("mixed_precision"):  # W11
-        units |= {n for n, m in oracle.named_modules() if isinstance(m, fm.BatchNormLeaf)}
+    and shards them ``<unit>._flat_param`` (``_flat_param`` for the root) -> (unpadded flat numel N,
+    this rank's elements ``[r*ceil(N/ws), min((r+1)*ceil(N/ws), N))``), the flat parameter being
+    the unit's managed parameters (``values``, under their first names) flattened and concatenated
+    in registration order. A NO_SHARD unit's parameters are saved FULL instead (S8): see
+    :func:`no_shard_entries`."""
     out = {}
-    for unit, fqns in fm.managed(oracle, sorted(units)).items():
-        if not fqns:
-            continue  # a unit without parameters has no flat parameter
+    groups = shard_groups(example, oracle, ctx.world_size)
+    for unit, fqns in fm.managed(oracle, flat_units(example, oracle)).items():
+        if not fqns or groups[fqns[0]] == 1:
+            continue  # a unit without parameters has no flat parameter; NO_SHARD: S8
         flat = torch.cat([values[f].reshape(-1) for f in fqns])
         start, end, _ = flat_range(flat.numel(), ctx.world_size, ctx.rank)
         out[f"{unit}._flat_param" if unit else "_flat_param"] = (flat.numel(), flat[start:end])
     return out
+
+
+def no_shard_entries(ctx, example: dict, oracle, expected: dict) -> dict:
+    """The entries of ``expected`` (every parameter name, tied aliases too, and the persistent
+    buffers) that a SHARDED or LOCAL dict holds as a FULL one does: those of units that do not
+    shard (FSDP1 NO_SHARD, S8), buffers in their own dtype (S12)."""
+    if base.FLAT_PARAM not in ctx.impl.capabilities:
+        return {}
+    groups = name_groups(example, oracle, ctx.world_size)
+    return {n: v for n, v in expected.items() if groups.get(n) == 1}
 
 
 def assert_local_dict(ctx, sd: dict, buffers: dict, flats: dict) -> None:
@@ -89,7 +101,8 @@ def assert_local_dict(ctx, sd: dict, buffers: dict, flats: dict) -> None:
 
 
 @fuzz_check(
-    features=fs.ALL_FEATURES - {fs.CPU_OFFLOAD, fs.HSDP, fs.DIVIDE_FACTOR},
+    features=fs.ALL_FEATURES
+    - {fs.CPU_OFFLOAD, fs.HSDP, fs.DIVIDE_FACTOR, fs.PREFETCH, fs.ACCUMULATE, fs.FSDP1_HSDP},
     drops=SD_ROUND_TRIP_DROPS,
     case_requires={"local": {base.LOCAL_STATE_DICT}},
 )
@@ -113,8 +126,10 @@ def state_dict_round_trip(ctx, example, kind):
     if kind == "local" and ctx.world_size > 1:  # at ws 1 FSDP1 keeps every kind FULL (S8)
         params = dict(oracle.named_parameters())  # first names only: a flat parameter's members
         flats = local_expected(ctx, example, oracle, {f: expected[f] for f in params})
+        whole = no_shard_entries(ctx, example, oracle, expected)  # buffers FULL there too
         sd = ctx.impl.state_dict(model, impl_kind)
-        assert_local_dict(ctx, sd, saved_buffers(example, oracle, restore_dtype=False), flats)
+        buffers = saved_buffers(example, oracle, restore_dtype=False)
+        assert_local_dict(ctx, sd, {**buffers, **whole}, flats)
         fresh, _ = shard(ctx, example, salt=1)
         ctx.impl.load_state_dict(fresh, sd, impl_kind)
         assert_restored(ctx, fresh, expected, "after loading the local state dict")
@@ -134,10 +149,11 @@ def state_dict_round_trip(ctx, example, kind):
     full = impl_kind in ("full", "dcp-full") or (
         ctx.world_size == 1 and base.FLAT_PARAM in ctx.impl.capabilities
     )
+    whole = no_shard_entries(ctx, example, oracle, expected)  # S8
     for name, value in expected.items():
         if name in dims and not full and dims[name] != 0:
             continue  # a Shard(d) entry: checked through the load below
-        assert_entry(ctx, name, sd[name], value, full=full or name not in dims)
+        assert_entry(ctx, name, sd[name], value, full=full or name not in dims or name in whole)
     fresh, _ = shard(ctx, example, salt=1)
     if example.get("assign") and impl_kind == "dtensor":
         assign_and_train(ctx, example, fresh, sd, expected, oracle)
