@@ -147,13 +147,19 @@ def separate_reduce_scatter_group(ctx):
 @check(
     area="training",
     requires=REQUIRES,
-    cases={"f-1": {"factor": 1.0}, "f-ws-half": {"factor": None}},
+    cases={"f-1": {"factor": 1.0}, "f-ws-half": {"factor": None}, "f-3": {"factor": 3.0}},
     min_world_size=2,
 )
 def force_sum_with_divide_factor(ctx, factor):
     """P31, P6: ``set_force_sum_reduction_for_comms(True)`` plus ``set_gradient_divide_factor(f)``
     on every unit: the sharded gradient is the sum of the ranks' gradients divided by f, i.e. the
-    oracle's mean gradient times ``ws / f`` (f = 1: the plain sum; f = ws / 2: twice the mean)."""
+    oracle's mean gradient times ``ws / f`` (f = 1: the plain sum; f = ws / 2: twice the mean).
+
+    Force-sum means the division comes after the sum. With a factor that is not a power of two
+    (f = 3) dividing each rank's gradient before summing differs from it in the last bit of some
+    elements, so at world size 2 (where a sum of two addends has one order) the gradient must
+    equal ``(g0 + g1) / 3`` bit for bit, ``g_r`` being rank r's gradient of its own samples on
+    the unsharded model."""
     f = factor if factor is not None else ctx.world_size / 2
     ctx.seed(0)
     oracle = MLP().to(ctx.device)
@@ -164,12 +170,30 @@ def force_sum_with_divide_factor(ctx, factor):
     x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+    exact = ctx.world_size == 2 and f == 3.0
+    if exact:  # each rank's own gradient, summed in the one order two addends have, then / f
+        ranks = []
+        for r in range(ctx.world_size):
+            copy_r = copy.deepcopy(oracle)
+            rows = slice(r * B, (r + 1) * B)
+            per_sample_loss("mlp", copy_r(x[rows]), y[rows]).mean().backward()
+            ranks.append({n: p.grad for n, p in copy_r.named_parameters()})
     per_sample_loss("mlp", oracle(x), y).mean().backward()
     scale = ctx.world_size / f
     for name, param in model.named_parameters():
-        expected = scale * chunk_of(
-            oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-        )
+        dim = shard_dim(param)
+        if exact:
+            full = (ranks[0][name] + ranks[1][name]) / f
+            expected = chunk_of(full, dim, ctx.world_size, ctx.rank)
+            if not torch.equal(param.grad.to_local(), expected):
+                diff = (param.grad.to_local() - expected).abs().max().item()
+                raise AssertionError(
+                    f"{ctx.where()} {name} sharded gradient with force-sum and divide factor "
+                    f"{f}: not bit-equal to (g0 + g1) / {f}, the sum divided after it (max abs "
+                    f"difference {diff:.3g}: divided before summing?)"
+                )
+            continue
+        expected = scale * chunk_of(oracle.get_parameter(name).grad, dim, ctx.world_size, ctx.rank)
         assert_close(
             ctx,
             f"{name} sharded gradient with force-sum and divide factor {f} (expected the "
