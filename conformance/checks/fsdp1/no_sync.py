@@ -1,5 +1,6 @@
 """Area "fsdp1_runtime": gradients inside and after ``no_sync()``: a unit that the next synced
-backward does not use (R66), and a parameter tied within one unit (R79, R110).
+backward does not use (R66), a parameter tied within one unit (R79, R110), and the synced step
+after a bf16 ``no_sync()`` backward (R115).
 
 [Note: no_sync at the edges]
 * A unit that got a gradient inside ``no_sync()`` and is not used by the next, synced backward
@@ -10,7 +11,8 @@ backward does not use (R66), and a parameter tied within one unit (R79, R110).
   on the rank's own samples; a later synced backward then reduces the accumulated gradient, and an
   optimizer step gives the unsharded model's parameters (R79). Under NO_SHARD with a bf16
   ``param_dtype`` the gradient inside ``no_sync()`` is likewise the full-shape unsharded one,
-  within bf16 tolerance (R110).
+  within bf16 tolerance (R110), and the next synced forward and backward reduces what was
+  accumulated, tied or not (R115; upstream fails it with a tied weight).
 """
 
 from __future__ import annotations
@@ -158,3 +160,61 @@ def tied_param_no_sync_grad_bf16(ctx):
         _loss(model(x[mine]).float()).backward()
     _loss(oracle(x[mine])).backward()
     _assert_no_sync_grads(ctx, inner, oracle, "bf16 no_sync()", BF16_TOLS["grad"])
+
+
+# ------------------------------------------------------------------------------ R115
+def _untied() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def _bf16_grads(oracle: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gradient (fp32) of the loss on ``x`` of ``oracle`` computed with bf16 parameters, as a
+    ``param_dtype=bfloat16`` unit computes it."""
+    low = copy.deepcopy(oracle).to(torch.bfloat16)
+    _loss(low(x.to(torch.bfloat16)).float()).backward()
+    return {n: p.grad.float() for n, p in low.named_parameters(remove_duplicate=False)}
+
+
+@check(
+    area="fsdp1_runtime",
+    requires=REQUIRES | {base.TRAINING, base.FSDP1_NO_SYNC_ORIG_GRADS, base.MIXED_PRECISION},
+    cases={"untied": {"tied": False}, "tied": {"tied": True}},
+    world_sizes=(1, 2),
+)
+def synced_step_after_bf16_no_sync(ctx, tied):
+    """R115: one NO_SHARD unit with ``use_orig_params=True`` and
+    ``MixedPrecision(param_dtype=torch.bfloat16)`` over two Linears (``tied``: the second's weight
+    is the first's): a forward and backward inside ``no_sync()`` on rank r's samples, then one
+    outside it on the same samples, completes and leaves each original parameter the ranks' mean
+    of the accumulated gradients: the mean over ranks of twice rank r's gradient computed with
+    bf16 parameters (each rank computes every rank's from the shared batch), within bf16
+    tolerance."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    oracle = (_tied() if tied else _untied()).to(ctx.device)
+    model = ns.FullyShardedDataParallel(
+        copy.deepcopy(oracle),
+        use_orig_params=True,
+        sharding_strategy=ns.ShardingStrategy.NO_SHARD,
+        mixed_precision=ns.MixedPrecision(param_dtype=torch.bfloat16),
+        **_kwargs(ctx),
+    )
+    inner = model.module
+    x = _global_batch(ctx, 47)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    with model.no_sync():
+        _loss(model(x[mine]).float()).backward()
+    _loss(model(x[mine]).float()).backward()
+    per_rank = [_bf16_grads(oracle, x[r * B : (r + 1) * B]) for r in range(ctx.world_size)]
+    for name in ("0.weight", "1.weight", "0.bias", "1.bias"):
+        grad = inner.get_parameter(name).grad
+        assert grad is not None, f"{ctx.where()} after the synced step: {name} has no gradient"
+        want = sum(2 * g[name] for g in per_rank) / ctx.world_size
+        assert_close(
+            ctx,
+            f"gradient of {name} after no_sync() and a synced step (the ranks' mean of twice "
+            "their bf16 gradients)",
+            grad.float(),
+            want,
+            BF16_TOLS["grad"],
+        )
