@@ -30,16 +30,13 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, B, assert_close
 from conformance.checks._shared.sd_models import InnerHeadNet, full_params
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API}
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
 
 
 @check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1,))

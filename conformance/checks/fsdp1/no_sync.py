@@ -132,6 +132,19 @@ def tied_param_no_sync_grad(ctx):
     assert_params_equal_oracle(ctx, model, oracle, "after the SGD step")
 
 
+def _bf16_no_shard(ctx, oracle: nn.Module) -> nn.Module:
+    """One NO_SHARD unit over a copy of ``oracle`` with ``use_orig_params=True`` and a bf16
+    ``param_dtype`` (R110, R115)."""
+    ns = ctx.impl.ns
+    return ns.FullyShardedDataParallel(
+        copy.deepcopy(oracle),
+        use_orig_params=True,
+        sharding_strategy=ns.ShardingStrategy.NO_SHARD,
+        mixed_precision=ns.MixedPrecision(param_dtype=torch.bfloat16),
+        **_kwargs(ctx),
+    )
+
+
 @check(
     area="fsdp1_runtime",
     requires=REQUIRES | {base.TRAINING, base.FSDP1_NO_SYNC_ORIG_GRADS, base.MIXED_PRECISION},
@@ -143,16 +156,9 @@ def tied_param_no_sync_grad_bf16(ctx):
     on rank r's samples completes and gives the tied parameter (by either name) and each bias a
     gradient of its full shape equal to the unsharded fp32 model's gradient on those samples
     within bf16 tolerance."""
-    ns = ctx.impl.ns
     ctx.seed(0)
     oracle = _tied().to(ctx.device)
-    model = ns.FullyShardedDataParallel(
-        copy.deepcopy(oracle),
-        use_orig_params=True,
-        sharding_strategy=ns.ShardingStrategy.NO_SHARD,
-        mixed_precision=ns.MixedPrecision(param_dtype=torch.bfloat16),
-        **_kwargs(ctx),
-    )
+    model = _bf16_no_shard(ctx, oracle)
     inner = model.module
     x = _global_batch(ctx, 43)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
@@ -189,16 +195,9 @@ def synced_step_after_bf16_no_sync(ctx, tied):
     of the accumulated gradients: the mean over ranks of twice rank r's gradient computed with
     bf16 parameters (each rank computes every rank's from the shared batch), within bf16
     tolerance."""
-    ns = ctx.impl.ns
     ctx.seed(0)
     oracle = (_tied() if tied else _untied()).to(ctx.device)
-    model = ns.FullyShardedDataParallel(
-        copy.deepcopy(oracle),
-        use_orig_params=True,
-        sharding_strategy=ns.ShardingStrategy.NO_SHARD,
-        mixed_precision=ns.MixedPrecision(param_dtype=torch.bfloat16),
-        **_kwargs(ctx),
-    )
+    model = _bf16_no_shard(ctx, oracle)
     inner = model.module
     x = _global_batch(ctx, 47)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)

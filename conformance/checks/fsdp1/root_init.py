@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.fsdp1_setup import REQUIRES, _batch, _nested
+from conformance.checks._shared.fsdp1_setup import REQUIRES, _batch, _kwargs, _nested
 from conformance.checks._shared.models import expect_error
 from conformance.checks._shared.oracle import FP32, B, assert_close
 from conformance.registry import check
@@ -64,7 +64,7 @@ def trained_unit_under_new_root(ctx):
     gives the unsharded ``Sequential(inner, Tanh(), Linear(4, 3))`` 's loss (``inner`` the
     unsharded copy trained in ``a`` 's step) and afterwards its parameters."""
     FSDP = ctx.impl.ns.FullyShardedDataParallel
-    kw = {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
+    kw = _kwargs(ctx)
     ctx.seed(0)
     inner, head_a, head_c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
     o_inner, o_head_a, o_head_c = (copy.deepcopy(m).to(ctx.device) for m in (inner, head_a, head_c))

@@ -11,10 +11,10 @@ model's layers.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.registry import check
 
 
@@ -26,7 +26,7 @@ def sequential_indexing(ctx):
     ctx.seed(0)
     layers = [nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)]
     seq = nn.Sequential(*layers).to(ctx.device)
-    kwargs = {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
+    kwargs = _kwargs(ctx)
     unit = ctx.impl.ns.FullyShardedDataParallel(seq, **kwargs)
     for key, want in ((0, layers[0]), (2, layers[2]), (-1, layers[2]), (1, layers[1])):
         got = unit[key]

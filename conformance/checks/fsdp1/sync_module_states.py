@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import full_params
 from conformance.registry import check
@@ -61,10 +62,6 @@ class _BuffersOnly(nn.Module):
 
 
 MODELS = {"both": _Both, "buffers_only": _BuffersOnly, "params_only": lambda: nn.Linear(4, 3)}
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
 
 
 def _per_rank(ctx, model_name):

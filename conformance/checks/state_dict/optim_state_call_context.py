@@ -18,14 +18,11 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.checks._shared.optim_state import assert_state
 from conformance.registry import check
 
 REQUIRES = {base.FLAT_PARAM, base.FSDP1_API, base.FSDP1_OPTIM_STATE_DICT, base.TRAINING}
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
 
 
 def _full_optim(ctx, model):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
+from conformance.checks._shared.fsdp1_setup import _kwargs
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import broadcast_from_rank0
 from conformance.registry import check
@@ -31,10 +32,6 @@ REQUIRES = {base.FLAT_PARAM, base.FSDP1_API, base.FSDP1_OPTIM_STATE_DICT, base.T
 # A returning call takes milliseconds (0.02 s at ws 2 on 2 cores); a wait of this many seconds
 # tells a rank that never returns from one delayed by a loaded machine.
 RETURN_WAIT = 5.0
-
-
-def _kwargs(ctx):
-    return {"device_id": torch.device("cpu")} if ctx.device.type == "cpu" else {}
 
 
 def _full_optim(ctx, model, rank0_only=False):
