@@ -25,10 +25,10 @@ from conformance.checks._shared.oracle import (
     PLANS,
     B,
     assert_close,
+    assert_sharded_grad,
     make_batch,
     make_optimizer,
     per_sample_loss,
-    shard_dim,
     step_and_compare,
 )
 from conformance.checks._shared.rows import chunk_of
@@ -72,15 +72,8 @@ def all_reduce_hook_stream_1d(ctx):
             f"{ctx.where()} step {step}: the current stream changed across the backward"
         )
         for name, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
-            assert_close(
-                ctx,
-                f"step {step}: {name} sharded gradient",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
+            assert_sharded_grad(
+                ctx, f"step {step}: {name} sharded gradient", param, oracle.get_parameter(name).grad
             )
         step_and_compare(ctx, model, oracle, opts, step)
 

@@ -39,6 +39,7 @@ from conformance.checks._shared.oracle import (
     FP32,
     B,
     assert_close,
+    assert_sharded_grad,
     make_optimizer,
     shard_dim,
     step_and_compare,
@@ -118,15 +119,11 @@ def _train_and_compare(ctx, model, oracle, steps, check_order):
         oracle(x).square().reshape(ctx.world_size, -1).mean(1).mean().backward()
         check_order(step, fwd.sizes, bwd.sizes)
         for name, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
-            assert_close(
+            assert_sharded_grad(
                 ctx,
                 f"step {step}: {name} sharded gradient with prefetching",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
+                param,
+                oracle.get_parameter(name).grad,
             )
         step_and_compare(ctx, model, oracle, opts, step)
 

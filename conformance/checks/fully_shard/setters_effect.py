@@ -32,6 +32,7 @@ from conformance.checks._shared.oracle import (
     PLANS,
     B,
     assert_close,
+    assert_sharded_grad,
     make_batch,
     make_optimizer,
     per_sample_loss,
@@ -257,16 +258,12 @@ def is_last_backward_micro_batches(ctx):
             per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
             per_sample_loss("mlp", oracle(x), y).mean().backward()
         for name, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
-            assert_close(
+            assert_sharded_grad(
                 ctx,
                 f"step {step}: {name} sharded gradient after {micros} micro-batch(es) (expected "
                 "the oracle's chunk of the summed gradient)",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
+                param,
+                oracle.get_parameter(name).grad,
             )
         step_and_compare(ctx, model, oracle, opts, step)
 
@@ -313,15 +310,11 @@ def unshard_in_backward_off(ctx):
             )
         ((oracle(idx) - target) ** 2).reshape(ctx.world_size, -1).mean(1).mean().backward()
         for name, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
-            assert_close(
+            assert_sharded_grad(
                 ctx,
                 f"step {step}: {name} sharded gradient with emb.set_unshard_in_backward(False)",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
+                param,
+                oracle.get_parameter(name).grad,
             )
         step_and_compare(ctx, model, oracle, opts, step)
 
@@ -480,14 +473,10 @@ def reset_iter_state_after_failure(ctx, phase):
         per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
         per_sample_loss("mlp", oracle(x), y).mean().backward()
         for name, param in model.named_parameters():
-            expected = chunk_of(
-                oracle.get_parameter(name).grad, shard_dim(param), ctx.world_size, ctx.rank
-            )
-            assert_close(
+            assert_sharded_grad(
                 ctx,
                 f"step {step} after reset_iter_state(): {name} sharded gradient",
-                param.grad.to_local(),
-                expected,
-                FP32["grad"],
+                param,
+                oracle.get_parameter(name).grad,
             )
         step_and_compare(ctx, model, oracle, opts, step)
