@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -35,6 +36,21 @@ from conformance.registry import check
 
 
 # ------------------------------------------------------------------------------ R63
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]):
+    """``os.environ`` with each name of ``values`` set to its value (None: unset) inside the block;
+    every one of them as it was before afterwards."""
+    saved = {name: os.environ.pop(name, None) for name in values}
+    os.environ.update({name: v for name, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            os.environ.pop(name, None)
+            if old is not None:
+                os.environ[name] = old
+
+
 @check(
     area="fsdp1_runtime",
     requires=REQUIRES | {base.TRAINING, base.MIXED_PRECISION, base.FSDP1_FULL_PREC_IN_EVAL},
@@ -50,9 +66,7 @@ def full_precision_in_eval_without_param_dtype(ctx):
     ctx.seed(0)
     oracle = _EmptyRoot().to(ctx.device)
     mp = dict(reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-    old = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL")
-    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
-    try:
+    with _environment({"FSDP_USE_FULL_PREC_IN_EVAL": "1"}):
         model = ctx.impl.shard(
             copy.deepcopy(oracle),
             ctx,
@@ -60,11 +74,6 @@ def full_precision_in_eval_without_param_dtype(ctx):
             mixed_precision=mp,
             use_orig_params=True,
         )
-    finally:
-        if old is None:
-            del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
-        else:
-            os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = old
     body = next(m for m in model.modules() if isinstance(m, _BufBody))
     seen: list[torch.dtype] = []
     body.register_forward_pre_hook(lambda m, args: seen.append(m.shift.dtype))
@@ -134,15 +143,8 @@ def _names_after(model) -> dict:
 def _shard_with_env(ctx, module, value, **kwargs):
     """``ctx.impl.shard`` with ``FSDP_USE_UNSAFE_SETATTR`` set to ``value`` (None: unset) during
     construction only; the environment is restored after it."""
-    old = os.environ.pop(UNSAFE_SETATTR, None)
-    if value is not None:
-        os.environ[UNSAFE_SETATTR] = value
-    try:
+    with _environment({UNSAFE_SETATTR: value}):
         return ctx.impl.shard(module, ctx, **kwargs)
-    finally:
-        os.environ.pop(UNSAFE_SETATTR, None)
-        if old is not None:
-            os.environ[UNSAFE_SETATTR] = old
 
 
 UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
@@ -233,17 +235,10 @@ def full_precision_in_eval(ctx):
     ctx.seed(0)
     oracle = _EmptyRoot().to(ctx.device)
     mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
-    old = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL")
-    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
-    try:
+    with _environment({"FSDP_USE_FULL_PREC_IN_EVAL": "1"}):
         model = ctx.impl.shard(
             copy.deepcopy(oracle), ctx, plan=[("body", {}), ("", {})], mixed_precision=mp
         )
-    finally:
-        if old is None:
-            del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
-        else:
-            os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = old
     body = next(m for m in model.modules() if isinstance(m, _BufBody))
     seen: list[torch.dtype] = []
     body.register_forward_pre_hook(lambda m, args: seen.append(m.shift.dtype))
@@ -282,21 +277,14 @@ def fake_collectives_knob(ctx, var):
     sharded), a forward and a backward complete: the output has the unsharded model's shape and
     every flat parameter a gradient of its shard's shape (the values are undefined by design).
     The environment is restored right after construction, where the units read it."""
-    names = [case["var"] for case in FAKE_CASES.values()]
-    saved = {name: os.environ.pop(name, None) for name in names}
-    os.environ[var] = "1"
-    try:
+    others = {case["var"]: None for case in FAKE_CASES.values()}
+    with _environment({**others, var: "1"}):
         ctx.seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = ctx.impl.shard(
                 InnerHeadNet().to(ctx.device), ctx, plan=[("inner", {}), ("", {})]
             )
-    finally:
-        for name, old in saved.items():
-            os.environ.pop(name, None)
-            if old is not None:
-                os.environ[name] = old
     x = torch.randn(B, 4, generator=torch.Generator().manual_seed(8)).to(ctx.device)
     out = model(x)
     assert tuple(out.shape) == (B, 3), f"{ctx.where()} {var}=1: output shape {tuple(out.shape)}"
