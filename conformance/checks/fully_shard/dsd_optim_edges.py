@@ -22,7 +22,6 @@ import torch
 
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks._shared.sd_models import SharedWeightNet
 from conformance.checks.fully_shard.dsd_model_edges import (
     AREA,
     STEPS,
@@ -31,7 +30,11 @@ from conformance.checks.fully_shard.dsd_model_edges import (
     _expect_raise,
     _sharded,
 )
-from conformance.checks.fully_shard.dsd_optim_groups import _assert_params, _step
+from conformance.checks.fully_shard.dsd_optim_groups import (
+    _assert_params,
+    _shared_weight_round_trip,
+    _step,
+)
 from conformance.checks.fully_shard.dsd_optim_state import _assert_state
 from conformance.checks.fully_shard.state_dict import Net
 from conformance.registry import check
@@ -261,27 +264,7 @@ def dsd_flatten_edges(ctx):
             f"{ctx.where()} after the flattened load: {name} info {got!r}, expected {want!r}"
         )
 
-    oracle = SharedWeightNet(0).to(ctx.device)
-    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("", {})])
-    oopt = torch.optim.Adam(oracle.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        _step(ctx, oracle, oopt, step)
-        _step(ctx, model, opt, step)
-    osd = dsd.get_optimizer_state_dict(model, opt, options=flat)
-    msd = dsd.get_model_state_dict(model)
-    fresh = ctx.impl.shard(SharedWeightNet(3).to(ctx.device), ctx, plan=[("", {})])
-    fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
-    dsd.set_model_state_dict(fresh, msd)
-    dsd.set_optimizer_state_dict(fresh, fopt, osd, options=flat)
-    for p, fp in zip(oracle.parameters(), fresh.parameters()):
-        assert float(fopt.state[fp]["step"]) == float(oopt.state[p]["step"]), (
-            f"{ctx.where()} shared weight, flattened load: step {fopt.state[fp]['step']}, "
-            f"expected {oopt.state[p]['step']}"
-        )
-    _step(ctx, oracle, oopt, STEPS)
-    _step(ctx, fresh, fopt, STEPS)
-    _assert_params(ctx, fresh, oracle, "(shared weight, flattened) one step after the load")
+    _shared_weight_round_trip(ctx, flat, "shared weight, flattened: ")
 
 
 @check(area=AREA, requires=TRAIN, world_sizes=(2,))

@@ -194,7 +194,16 @@ def dsd_optim_shared_param(ctx):
     one unit, the sharded optimizer state
     dict loads through ``set_optimizer_state_dict`` into a fresh model and optimizer, and one more
     Adam step gives the unsharded model's parameters."""
+    _shared_weight_round_trip(ctx, None, "")
+
+
+def _shared_weight_round_trip(ctx, options, what):
+    """P47's round trip, with DSD ``options`` (None: the defaults): an Adam on a shared-weight
+    model, sharded as one unit, is stepped; its model and optimizer dicts load into a fresh
+    model and optimizer, whose ``step`` equals the unsharded optimizer's and whose next step
+    gives the unsharded model's parameters. ``what`` names the case in failure messages."""
     dsd = _dsd()
+    kw = {} if options is None else {"options": options}
     oracle = SharedWeightNet(0).to(ctx.device)
     model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=[("", {})])
     oopt = torch.optim.Adam(oracle.parameters(), lr=1e-2)
@@ -202,20 +211,20 @@ def dsd_optim_shared_param(ctx):
     for step in range(STEPS):
         _step(ctx, oracle, oopt, step)
         _step(ctx, model, opt, step)
-    osd = dsd.get_optimizer_state_dict(model, opt)
+    osd = dsd.get_optimizer_state_dict(model, opt, **kw)
     msd = dsd.get_model_state_dict(model)
     fresh = ctx.impl.shard(SharedWeightNet(3).to(ctx.device), ctx, plan=[("", {})])
     fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
     dsd.set_model_state_dict(fresh, msd)
-    dsd.set_optimizer_state_dict(fresh, fopt, osd)
+    dsd.set_optimizer_state_dict(fresh, fopt, osd, **kw)
     for p, fp in zip(oracle.parameters(), fresh.parameters()):
         assert float(fopt.state[fp]["step"]) == float(oopt.state[p]["step"]), (
-            f"{ctx.where()} after the load: step {fopt.state[fp]['step']}, expected "
+            f"{ctx.where()} {what}after the load: step {fopt.state[fp]['step']}, expected "
             f"{oopt.state[p]['step']}"
         )
     _step(ctx, oracle, oopt, STEPS)
     _step(ctx, fresh, fopt, STEPS)
-    _assert_params(ctx, fresh, oracle, "one step after the load")
+    _assert_params(ctx, fresh, oracle, f"{what}one step after the load")
 
 
 class _InfoSGD(torch.optim.SGD):
