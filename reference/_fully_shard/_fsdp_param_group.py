@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_collectives import (
@@ -28,6 +27,7 @@ from ._fsdp_collectives import (
 from ._fsdp_common import FSDPMeshInfo, TrainingState
 from ._fsdp_extensions import check_extensions
 from ._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
+from ._grad_tensors import collect_grad_tensors, replace_grad_tensors
 
 
 class FSDPParamGroup:
@@ -226,16 +226,15 @@ class FSDPParamGroup:
             )  # fmt: skip
 
     def _register_post_backward_hook(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Route the inputs that need grad through an identity whose backward = post_backward."""
+        """Route the inputs that need grad (walked as [Note: walking a forward output] says)
+        through an identity whose backward = post_backward."""
         if not torch.is_grad_enabled():
             return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
+        found = collect_grad_tensors((args, kwargs))
+        if not found:
             return args, kwargs
-        for i, out in zip(idx, RegisterPostBackwardFunction.apply(self, *(flat[i] for i in idx))):
-            flat[i] = out
-        return tree_unflatten(flat, spec)
+        routed = RegisterPostBackwardFunction.apply(self, *found)
+        return replace_grad_tensors((args, kwargs), iter(routed))
 
     @property
     def _all_gather_process_group(self):

@@ -1,4 +1,5 @@
-"""Finding the tensors of a forward output that FSDP2 hooks for backward.
+"""Finding (and replacing) the tensors of a forward's inputs or output that FSDP2 hooks for
+backward.
 
 [Note: walking a forward output]
 A unit's forward may return its tensors inside any nesting of tuples (named or not), lists,
@@ -9,11 +10,18 @@ leaf and is not looked into. The walk counts containers: the returned object its
 :data:`MAX_OUTPUT_DEPTH` (anything, tensor or not, 128 containers deep) raises RuntimeError that
 names the limit: such a structure is taken for a cycle (a list that holds itself) rather than
 walked until Python's recursion limit.
+
+The same walk finds a unit's forward *inputs* that need grad, which the unit routes through its
+post-backward identity, and puts the routed tensors back in their places: each container on the
+way is rebuilt as its own type (a named tuple from its fields, a dataclass instance with
+``dataclasses.replace``), and a container in which nothing changed is kept as it is.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,3 +61,38 @@ def collect_grad_tensors(output: Any) -> list[torch.Tensor]:
 
     visit(output, 0)
     return found
+
+
+def replace_grad_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with every tensor :func:`collect_grad_tensors` finds in it replaced by the next
+    tensor of ``new``, in the same order; every one of ``new`` must be used."""
+
+    def rebuild(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return next(new) if obj.requires_grad else obj
+        items = _children(obj)
+        if items is None:
+            return obj
+        done = [rebuild(item) for item in items]
+        if all(a is b for a, b in zip(done, items)):
+            return obj
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            out.update(zip(obj.keys(), done))
+            return out
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+            return type(obj)(*done)
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(done)
+        changed = {
+            f.name: value
+            for f, value, old in zip(dataclasses.fields(obj), done, items)
+            if value is not old
+        }
+        return dataclasses.replace(obj, **changed)
+
+    collect_grad_tensors(obj)  # the depth limit, before anything is consumed
+    result = rebuild(obj)
+    if next(new, None) is not None:
+        raise RuntimeError("more replacement tensors than tensors that need grad")
+    return result
