@@ -278,7 +278,10 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameter (its data must already be all-gathered)."""
-        self._unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        if self._unsharded_param.requires_grad != self.sharded_param.requires_grad:
+            self._unsharded_param.requires_grad_(
+                self.sharded_param.requires_grad
+            )  # not in a transform
         self._setattr_on_modules(self._unsharded_param)
         self._sharded_post_forward_param = self._sharded_post_forward_param_data = None
         self.sharded_state = ShardedState.UNSHARDED

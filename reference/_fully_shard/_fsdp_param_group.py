@@ -12,6 +12,8 @@ on the current stream: upstream's stream overlap and prefetching change timing o
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,19 @@ from ._fsdp_common import FSDPMeshInfo, TrainingState
 from ._fsdp_extensions import check_extensions
 from ._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 from ._grad_tensors import collect_grad_tensors, replace_grad_tensors
+
+
+def _outside_functorch(method: Callable) -> Callable:
+    """``method`` run with the functorch transforms off (see [Note: outside functorch transforms])."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch._C._are_functorch_transforms_active():
+            return method(*args, **kwargs)
+        with torch._C._DisableFuncTorch():
+            return method(*args, **kwargs)
+
+    return run
 
 
 class FSDPParamGroup:
@@ -109,6 +124,12 @@ class FSDPParamGroup:
         self._initialized = True
 
     # ---- unshard / reshard -----------------------------------------------------------------
+    # [Note: outside functorch transforms]
+    # A unit may run inside ``torch.func.jvp`` / ``vmap`` / ``grad``. The all-gather, the copy-out
+    # and the (re)registration of parameters work on FSDP's own buffers, not on the values being
+    # transformed, so they run with the transforms switched off; the forward itself, which reads
+    # the registered parameters, stays transformed.
+    @_outside_functorch
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather (no-op if unsharded or already pending)."""
         if self._all_gather_result is not None or self._sharded_state == ShardedState.UNSHARDED:
@@ -117,6 +138,7 @@ class FSDPParamGroup:
             self.fsdp_params, self._all_gather_process_group, async_op, self.device
         )
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Finish a pending unshard: copy-out, build/refill unsharded params, register them."""
         result, self._all_gather_result = self._all_gather_result, None
@@ -127,6 +149,7 @@ class FSDPParamGroup:
             fsdp_param.init_unsharded_param()
         self.to_state(ShardedState.UNSHARDED)
 
+    @_outside_functorch
     def reshard(self) -> None:
         """Free the unsharded params; in forward, honour ``reshard_after_forward``."""
         if self._training_state == TrainingState.FORWARD:
@@ -282,7 +305,11 @@ def _get_param_module_infos(
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
-    """Identity on the forward inputs; its backward runs the group's ``post_backward``."""
+    """Identity on the forward inputs; its backward runs the group's ``post_backward``. Under
+    ``torch.func`` transforms it is batched as the identity (vmap) and passes tangents through
+    (jvp: forward mode has no backward to hook)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(param_group: FSDPParamGroup, *inputs: torch.Tensor):
@@ -296,3 +323,7 @@ class RegisterPostBackwardFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.param_group.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, group_tangent: Any, *tangents: torch.Tensor):
+        return tangents
