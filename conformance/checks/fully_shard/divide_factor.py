@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import warnings
 
+import torch
+
 from conformance.adapters import base
 from conformance.checks._shared.oracle import (
     FP32,
@@ -34,7 +36,10 @@ def reduce_scatter_divide_factor_alias(ctx):
     gradients divided by f (here f = 3.0, an MLP sharded at the root, losses summed), as after ``set_gradient_divide_factor(f)``.
     Reduced with ``set_force_sum_reduction_for_comms(True)`` (a SUM, then the divide), since a
     factor other than the shard size otherwise needs ``ReduceOp.PREMUL_SUM``, which gloo lacks
-    (from world size 2, as ``force_sum_with_divide_factor``: at 1 upstream divides twice)."""
+    (from world size 2, as ``force_sum_with_divide_factor``: at 1 upstream divides twice). At
+    world size 2 the gradient is bit-equal to ``(g0 + g1) / 3``, ``g_r`` rank r's gradient of its
+    own samples on the unsharded model: 3 is no power of two, so dividing before the sum (force-sum
+    ignored) differs in the last bit of some elements."""
     ws, rank = ctx.world_size, ctx.rank
     ctx.seed(0)
     oracle = MLP().to(ctx.device)
@@ -52,13 +57,33 @@ def reduce_scatter_divide_factor_alias(ctx):
     x, y = make_batch("mlp", ws, 0, ctx.device)
     mine = slice(rank * B, (rank + 1) * B)
     per_sample_loss("mlp", model(x[mine]), y[mine]).sum().backward()
+    if ws == 2:  # each rank's own gradient, summed in the one order two addends have, then / 3
+        own = []
+        for r in range(ws):
+            copy_r = copy.deepcopy(oracle)
+            per_sample_loss(
+                "mlp", copy_r(x[r * B : (r + 1) * B]), y[r * B : (r + 1) * B]
+            ).sum().backward()
+            own.append(dict(named_unique(copy_r)))
     per_sample_loss("mlp", oracle(x), y).sum().backward()
-    for (name, param), (_, ref) in zip(named_unique(model), named_unique(oracle)):
+    for name, param in named_unique(model):
         assert param.grad is not None, f"{ctx.where()} {name}: no sharded gradient after backward"
+        dim = shard_dim(param)
+        if ws == 2:
+            full = (own[0][name].grad + own[1][name].grad) / 3.0
+            expected = local_chunk(full, dim, ws, rank)
+            if not torch.equal(param.grad.to_local(), expected):
+                diff = (param.grad.to_local() - expected).abs().max().item()
+                raise AssertionError(
+                    f"{ctx.where()} {name}: gradient with set_reduce_scatter_divide_factor(3.0) "
+                    f"and force-sum is not bit-equal to (g0 + g1) / 3, the sum divided after it "
+                    f"(max abs difference {diff:.3g}: divided before summing, or not by 3?)"
+                )
+            continue
         assert_close(
             ctx,
             f"gradient of {name} divided by 3.0",
             param.grad.to_local(),
-            local_chunk(ref.grad / 3.0, shard_dim(param), ws, rank),
+            local_chunk(oracle.get_parameter(name).grad / 3.0, dim, ws, rank),
             FP32["grad"],
         )

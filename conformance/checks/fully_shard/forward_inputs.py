@@ -1,4 +1,5 @@
-"""Area "training": what a ``fully_shard`` module may take as forward inputs (P83).
+"""Area "training": what a ``fully_shard`` module may take as forward inputs (P83), and inputs
+and outputs nested deep in dataclasses (P117).
 
 [Note: pytree inputs]
 FSDP2 hooks a unit's post-backward onto the tensors that require grad among its forward's inputs,
@@ -159,3 +160,77 @@ def pytree_inputs(ctx):
     for k in VECTORS:
         assert vectors[k].grad is not None, f"{ctx.where()} input {k} got no gradient"
         assert_close(ctx, f"gradient of input {k}", vectors[k].grad, lvectors[k].grad, FP32["grad"])
+
+
+# -- deep dataclass nesting (P117) -----------------------------------------------------------------
+DEPTH = 100  # dataclass levels around the tensor: under the 128 containers FSDP walks (see P117)
+
+
+@dataclasses.dataclass
+class Link:
+    """One level of a chain: ``inner`` is the next ``Link`` or, at the bottom, the tensor."""
+
+    inner: object
+    level: int
+
+
+def _chain(t, depth=DEPTH):
+    for level in range(depth):
+        t = Link(t, level)
+    return t
+
+
+def _unchain(chain, depth=DEPTH):
+    for level in reversed(range(depth)):
+        assert type(chain) is Link and chain.level == level, (
+            f"link {level} of the chain arrived as {type(chain).__name__}"
+        )
+        chain = chain.inner
+    return chain
+
+
+class ChainIn(nn.Module):
+    """``Linear(5, 3)`` whose input and output are ``DEPTH`` nested ``Link`` s around a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, chain):
+        return _chain(self.lin(_unchain(chain)))
+
+
+class ChainNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ChainIn()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(_unchain(self.inner(_chain(x)))))
+
+
+@check(area="training", requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING})
+def deep_dataclass_chains(ctx):
+    """P117: a unit (``inner``, ``reshard_after_forward=True``, under a root unit) whose forward
+    takes a chain of 100 nested dataclasses with a tensor that requires grad at the bottom (the
+    root's ``tanh`` input, so within 102 containers of its ``(args, kwargs)``) and returns its
+    output in such a chain: FSDP walks both (up to 128 containers deep) without error, the
+    chain arrives intact, and one step gives the unsharded model's loss, sharded gradients and
+    parameter values (against the oracle on the global batch)."""
+    ctx.seed(0)
+    model = ChainNet().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ctx.impl.ns.fully_shard(model.inner, mesh=ctx.mesh, reshard_after_forward=True)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3184)
+    n = ctx.world_size * B
+    gx, y = torch.randn(n, 5, generator=g).to(ctx.device), torch.randn(n, 3, generator=g)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x = gx[mine].clone().requires_grad_(True)
+    out = model(x)
+    oout = oracle(gx.clone().requires_grad_(True))
+    backward_and_compare(ctx, model, oracle, (out, oout, y.to(ctx.device), mine), (opt, oopt), 0)
+    assert x.grad is not None, f"{ctx.where()} the input got no gradient through the chains"

@@ -1,5 +1,6 @@
 """Area "placement": where parameters live when ``shard_placement_fn`` picks the shard dim, on ranks
-that hold nothing, and on a 2-D (HSDP) mesh (P1, P13, P16). Extends "layout".
+that hold nothing, on a 2-D (HSDP) mesh, and after ``load_state_dict(assign=True)`` (P1, P13, P16,
+P116). Extends "layout".
 
 [Note: the rules]
 Shard(d): rank r holds ``torch.chunk(p, ws, d)[r]`` (``ceil(p.shape[d]/ws)`` entries per rank); the
@@ -12,6 +13,9 @@ Empty ranks: with dim 0 < ws, ranks past the last chunk hold a (0, *rest) local 
     take part in forward/backward (their gradient is (0, *rest) too).
 HSDP: on a ``(replicate, shard)`` mesh every parameter is ``(Replicate(), Shard(0))`` and rank r
     holds chunk ``r % shard_size`` over the shard dim; gradients are averaged over all ranks.
+Assign-load: ``load_state_dict(..., assign=True)`` installs the loaded DTensor as the parameter;
+    for a Shard(d != 0) parameter its local tensor must already be the rank's shard (a dim other
+    than 0 is never re-padded), else AssertionError 'Shard(d) requires even sharding'.
 Expected values come from an unsharded copy trained on the same inputs.
 """
 
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 
 from conformance.adapters import base
-from conformance.checks._shared.models import ParamBag, distinct_values
+from conformance.checks._shared.models import ParamBag, distinct_values, expect_error
 from conformance.checks._shared.rows import chunk_of
 from conformance.registry import check
 
@@ -287,3 +291,49 @@ def hsdp_placement_and_grads(ctx):
         assert got.shape == expected.shape and torch.allclose(
             got, expected.cpu(), rtol=1e-5, atol=1e-6
         ), f"{ctx.where()} {fqn}: HSDP grad chunk differs from the all-rank mean gradient's chunk"
+
+
+# -- load_state_dict(assign=True) into Shard(1) parameters (P116) --------------------------------
+ASSIGNED = {
+    # name: (placement of the loaded DTensor, expected error or None)
+    "shard1-dtensor": ("shard1", None),
+    "replicate-dtensor": ("replicate", (AssertionError, r"Shard\(1\) requires even sharding")),
+    "shard0-dtensor": ("shard0", (AssertionError, r"Shard\(1\) requires even sharding")),
+}
+
+
+@check(
+    area="placement",
+    requires={base.SHARD_PLACEMENT_FN, base.DTENSOR_PARAMS, base.FSDP2_API, base.TRAINING},
+    cases={k: {"name": k} for k in ASSIGNED},
+    min_world_size=2,
+)
+def assign_load_into_shard1(ctx, name):
+    """P116: a bias-free ``Lin(2ws, 4)`` sharded with ``shard_placement_fn=lambda p: Shard(1)``
+    (local (4, 2)) takes ``load_state_dict({"weight": dt}, assign=True)`` of new values ``w``
+    (``dt = distribute_tensor(w, mesh, placements)``): with ``(Shard(1),)`` the weight stays a
+    ``(Shard(1),)`` DTensor whose local tensor is chunk ``rank`` of ``w`` on dim 1, and a forward/
+    backward gives the output and gradient chunk of the unsharded module holding ``w``; a
+    ``(Replicate(),)`` or ``(Shard(0),)`` DTensor (local shape other than the Shard(1) shard) is
+    refused by the load with AssertionError 'Shard(1) requires even sharding: local_tensor.size()=...'
+    (a non-zero shard dim is never re-padded), on every rank."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    ws = ctx.world_size
+    placement, error = ASSIGNED[name]
+    model = Lin(2 * ws, 4, bias=False).to(ctx.device)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, shard_placement_fn=lambda p: Shard(1))
+    new = (distinct_values((4, 2 * ws), 5) / 100.0).to(ctx.device)
+    placements = {"shard1": [Shard(1)], "shard0": [Shard(0)], "replicate": [Replicate()]}
+    loaded = distribute_tensor(new.clone(), ctx.mesh, placements[placement])
+    load = lambda: model.load_state_dict({"weight": loaded}, assign=True)  # noqa: E731
+    if error is not None:
+        expect_error(ctx, f"assign-load of a {placement} DTensor", *error, load)
+        return
+    load()
+    oracle = Lin(2 * ws, 4, bias=False).to(ctx.device)
+    with torch.no_grad():
+        oracle.weight.copy_(new)
+    assert_placed(ctx, model, {"weight": new.cpu()}, {"weight": 1}, "after the assign-load")
+    x = (distinct_values((2, 2 * ws), 7) / 100.0).to(ctx.device)
+    _grads_and_values(ctx, model, oracle, x, "after the assign-load")

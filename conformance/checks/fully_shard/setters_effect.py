@@ -42,6 +42,7 @@ from conformance.checks._shared.oracle import (
 )
 from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.prefetch import GatherSpy
+from conformance.checks.fully_shard.states import assert_backward_gathers
 from conformance.registry import check
 
 REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API}
@@ -78,9 +79,16 @@ def comm_knob_training(ctx, name):
     ``set_reduce_scatter_max_input_buffers(2)``, ``set_allocate_memory_from_process_group_for_comm
     (True)``) two SGD steps of the nested MLP give the oracle's sharded gradients and
     parameters: the knob tunes the collectives, never the values (force-sum: a SUM collective and
-    a separate division by the data-parallel size, still the average)."""
+    a separate division by the data-parallel size, still the average: from world size 2 every
+    reduce-scatter's reduce op is SUM, never AVG or a pre-scaled sum)."""
     method, args = KNOB_CASES[name]
-    run_parity(ctx, plan="nested", steps=2, after_shard=_on_every_unit(ctx, method, *args))
+    with GroupSpy() as spy:
+        run_parity(ctx, plan="nested", steps=2, after_shard=_on_every_unit(ctx, method, *args))
+    if name == "force-sum-reduction" and ctx.world_size > 1:  # AVG gives the same values at 2, 4
+        assert spy.reduce_ops == {"sum"}, (
+            f"{ctx.where()} force-sum: the reduce-scatters reduce with {sorted(spy.reduce_ops)}, "
+            "expected a SUM only (the division by the data-parallel size done apart)"
+        )
 
 
 class GroupSpy(TorchDispatchMode):
@@ -90,6 +98,7 @@ class GroupSpy(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.groups: dict[str, set[str]] = {"allgather": set(), "reducescatter": set()}
+        self.reduce_ops: set[str] = set()  # each reduce-scatter's reduce op, lower case
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -100,6 +109,10 @@ class GroupSpy(TorchDispatchMode):
             if not isinstance(group, str):  # a boxed ScriptObject at the dispatcher
                 group = dist.ProcessGroup.unbox(group).group_name
             self.groups[kind].add(group)
+            for value, arg in zip(args, func._schema.arguments):
+                if kind == "reducescatter" and arg.name == "reduce_op":  # a str, or a boxed op
+                    op = value if isinstance(value, str) else dist.ReduceOp.RedOpType(value.op())
+                    self.reduce_ops.add(getattr(op, "name", op).lower())
         return result
 
 
@@ -416,7 +429,9 @@ def reset_iter_state_after_failure(ctx, phase):
     caught by the caller, then ``model.reset_iter_state()`` on the root: every unit is SHARDED
     again (DTensor parameters) and, after every parameter is halved in place (model and oracle
     alike: no all-gather begun before the reset may be used), the next iterations train as the
-    oracle (sharded gradients its chunks, parameters after two SGD steps its values). On a non-root unit after lazy init,
+    oracle (sharded gradients its chunks, parameters after two SGD steps its values), each
+    backward all-gathering out, then inp, once each (ws >= 2; the failed iteration's forward
+    order is forgotten). On a non-root unit after lazy init,
     ``reset_iter_state()`` raises RuntimeError "reset_iter_state must be called on the root
     FSDP module". An all-gather still pending at the reset (``inp.unshard(async_op=True)``, never
     waited) is discarded: the halved parameters are what the next forward gathers."""
@@ -470,7 +485,10 @@ def reset_iter_state_after_failure(ctx, phase):
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     for step in range(2):
         x, y = make_batch("mlp", ctx.world_size, step, ctx.device)
-        per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
+        loss = per_sample_loss("mlp", model(x[mine]), y[mine]).mean()
+        with GatherSpy() as spy:
+            loss.backward()
+        assert_backward_gathers(ctx, oracle, spy.sizes, f"step {step} after reset_iter_state()")
         per_sample_loss("mlp", oracle(x), y).mean().backward()
         for name, param in model.named_parameters():
             assert_sharded_grad(

@@ -24,9 +24,22 @@ This module checks the states after forward, backward and ``reshard()`` (1-D and
 holds the model and the state assertions; ``unsharded_param.py`` checks the unsharded Parameter
 object itself: ``unshard()`` on demand, its reuse across iterations, and what an optimizer built
 after a ``no_grad`` forward holds (``optimizer_after_no_grad_forward``).
+
+[Note: a reset between a forward and its backward]
+``reset_iter_state()`` on the root forgets the iteration in flight, not only a failed one: called
+between a forward and its backward, every parameter is SHARDED again and that backward still
+runs, each unit's pre-backward all-gathering what it needs (P37), with the unsharded model's
+gradients. It also forgets the forward's order, so the backward after it, or the next
+iteration's, prefetches by the new forward's order only (P86): for the nested MLP (units ``inp``
+and ``out``, a root without parameters) every backward all-gathers ``out``, then ``inp``, once
+each, as a plain iteration's does, never a unit of the forgotten forward again. Each all-gather
+is known by its output size (``prefetch.gathered_numel``: 32 for ``out``, 48 for ``inp`` at world
+sizes 2 and 4); at world size 1 nothing is gathered, so only the values are compared there.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +47,18 @@ from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.models import distinct_values
+from conformance.checks._shared.oracle import (
+    MLP,
+    PLANS,
+    B,
+    assert_sharded_grad,
+    make_batch,
+    make_optimizer,
+    per_sample_loss,
+    step_and_compare,
+)
 from conformance.checks._shared.rows import chunk_range
+from conformance.checks.fully_shard.prefetch import GatherSpy, gathered_numel
 from conformance.registry import check
 
 
@@ -364,3 +388,61 @@ def hsdp_states(ctx, raf):
         assert tuple(param.grad.placements) == tuple(param.placements), (
             f"{ctx.where()} {fqn}: grad placements {param.grad.placements}"
         )
+
+
+def assert_backward_gathers(ctx, oracle, sizes, what):
+    """The nested MLP's backward all-gathered ``out``, then ``inp``, once each (module Note)."""
+    if ctx.world_size == 1:
+        return  # nothing to gather
+    names = {gathered_numel(getattr(oracle, u), ctx.world_size): u for u in ("out", "inp")}
+    got = [names.get(n, f"<{n} elements>") for n in sizes]
+    assert got == ["out", "inp"], (
+        f"{ctx.where()} {what}: backward all-gathered {got}, expected out, then inp, once each "
+        "(as a plain iteration's backward)"
+    )
+
+
+@check(
+    area="states",
+    requires={base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API},
+    cases={"pending-backward": {"pending": True}, "forward-only": {"pending": False}},
+)
+def reset_iter_state_between_forward_and_backward(ctx, pending):
+    """P113: nested MLP; ``loss = <forward>``, ``model.reset_iter_state()``, then every parameter
+    is SHARDED; pending-backward: ``loss.backward()`` still runs, then an SGD step; forward-only:
+    the loss is dropped. Then two SGD steps of new iterations. Each backward all-gathers out,
+    then inp, once each (ws >= 2), the sharded gradients are the oracle's chunks and the
+    parameters after each step the oracle's."""
+    from torch.distributed.tensor import DTensor
+
+    ctx.seed(0)
+    oracle = MLP().to(ctx.device)
+    model = ctx.impl.shard(copy.deepcopy(oracle), ctx, plan=PLANS["nested"])
+    opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = make_batch("mlp", ctx.world_size, 0, ctx.device)
+    loss = per_sample_loss("mlp", model(x[mine]), y[mine]).mean()
+    model.reset_iter_state()
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} {name}: registered {type(param).__name__} after reset_iter_state() "
+            "between forward and backward, expected the sharded DTensor"
+        )
+    steps = ("reset", 1, 2) if pending else (1, 2)
+    for step in steps:
+        if step != "reset":
+            x, y = make_batch("mlp", ctx.world_size, step, ctx.device)
+            loss = per_sample_loss("mlp", model(x[mine]), y[mine]).mean()
+        with GatherSpy() as spy:
+            loss.backward()
+        what = "the backward begun before reset_iter_state()" if step == "reset" else (
+            f"step {step} after reset_iter_state() between a forward and its backward"
+        )  # fmt: skip
+        assert_backward_gathers(ctx, oracle, spy.sizes, what)
+        per_sample_loss("mlp", oracle(x), y).mean().backward()
+        for name, param in model.named_parameters():
+            assert param.grad is not None, f"{ctx.where()} {what}: {name} has no gradient"
+            assert_sharded_grad(
+                ctx, f"{what}: {name} sharded gradient", param, oracle.get_parameter(name).grad
+            )
+        step_and_compare(ctx, model, oracle, opts, step)
