@@ -44,6 +44,7 @@ from reference._fsdp1._collectives import reduce_scatter_single
 class FlatGradHandling:
     """The gradient half of :class:`reference._fsdp1._flat_param.FlatParamHandle`."""
 
+    @torch.no_grad()  # also under backward(create_graph=True): a comm hook records nothing
     def _reduce_grad(self, grad_padded: torch.Tensor) -> torch.Tensor:
         """Sum the unsharded gradient over ranks in the reduce dtype, keep this rank's part and
         divide by the world size; a registered comm hook (``comm_hook``) does the communication

@@ -61,12 +61,20 @@ def _lazy_init(state: _FSDPState) -> None:
 
     Casts each FSDP module's own buffers to its ``buffer_dtype`` (ignored buffers never), once.
     The original buffer dtypes were recorded at construction and are what state dicts save.
+    A unit that has run a forward as the root of its own tree is refused as a non-root of a new
+    one (upstream's rule; one that trained as a non-root may be wrapped again).
     """
     if state._lazy_init_done:
         return
     values = {fsdp._use_orig_params for fsdp in _fsdp_modules(state)}
     if len(values) > 1:  # the units of one tree share their handling of the original parameters
         raise ValueError(f"Expects one homogeneous value for _use_orig_params but got {values}")
+    for fsdp in _fsdp_modules(state):
+        if fsdp is not state and fsdp._ran_as_root:
+            raise AssertionError(
+                "Non-root FSDP instance's `_is_root` should not have been set yet or should have "
+                "been set to `False`: a unit that ran a forward as a root cannot become a non-root"
+            )
     for fsdp in _fsdp_modules(state):
         if fsdp._lazy_init_done:
             continue
@@ -96,6 +104,7 @@ def _forward(state: _FSDPState, *args: Any, **kwargs: Any) -> Any:
     ``cast_forward_inputs``, and the root also when ``cast_root_forward_inputs``.
     """
     _lazy_init(state)
+    state._ran_as_root = state._ran_as_root or state._is_root
     mp = state.mixed_precision
     if mp is not None and mp.param_dtype is not None:
         cast = mp.cast_forward_inputs or (state._is_root and mp.cast_root_forward_inputs)

@@ -101,7 +101,7 @@ class FullyShardedDataParallel(_FSDPState):
         mixed_precision: MixedPrecision | None
         compute_device: torch.device
         _use_orig_params: bool
-        _is_root: bool
+        _is_root, _ran_as_root: bool             # the latter: a forward ran with it as the root
         _ignored_modules: set[nn.Module]         # every module under an ignored module
         _ignored_params: set[nn.Parameter]       # their parameters + parameters ignored directly
         _owned_buffers: list[tuple[str, nn.Module, str]]  # (clean fqn, owner module, name)
@@ -157,7 +157,7 @@ class FullyShardedDataParallel(_FSDPState):
         self._use_orig_params = use_orig_params
         self._device_mesh = device_mesh
         self._is_root = True
-        self._lazy_init_done = False
+        self._lazy_init_done = self._ran_as_root = False
         self._load_strict: bool | None = None  # set while this module's load_state_dict runs
         self.training_state = TrainingState.IDLE
         self._state_dict_type = StateDictType.FULL_STATE_DICT
