@@ -10,17 +10,32 @@
   precision and the gradients are reduced in full precision, so an eval-mode backward gives the
   unsharded fp32 model's gradients (R63).
 * ``FSDP_USE_FAKE_ALL_GATHER=1`` or ``FSDP_USE_FAKE_REDUCE=1`` alone skips that collective
-  (values undefined) but a forward and backward still complete with the usual shapes (R60).
+  (values undefined) but a forward and backward still complete with the usual shapes; the first
+  unit built under it in a process warns, naming the variable (R60). See [Note: a warning given
+  once per process].
 * ``FSDP_USE_UNSAFE_SETATTR=1`` swaps parameters without calling a module's own
   ``__setattr__`` (without it the override is called) and changes nothing else: the names inside
   the forward and after a step, the output and the parameters after the step are as without it
   (R94).
+
+[Note: a warning given once per process]
+A warning that an implementation gives only once per process (upstream remembers that it has
+logged it) cannot be asked of every construction: the suite runs many checks in one process, in
+any order, so an earlier case may already have used it up. R60's check therefore listens from
+before the first construction under the variable in its process to the end of its own: on the
+first use of ``_warnings_naming`` a handler that keeps every record naming a fake-collective
+variable stays attached to the root logger and to the namespace's logger for the rest of the
+process (``torch.distributed.fsdp`` keeps its records to itself), and each case asserts that
+this process has by then seen a warning naming its variable, as a ``logging`` record at WARNING or
+above or as a ``warnings.warn`` caught around its construction. This holds in every order because
+no other module builds FSDP1 units with these variables set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import warnings
 
@@ -265,6 +280,32 @@ FAKE_CASES = {
 }
 
 
+class _FakeKnobWarnings(logging.Handler):
+    """Keeps the message of every record at WARNING or above that names a fake-collective
+    variable (see [Note: a warning given once per process])."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if any(case["var"] in text for case in FAKE_CASES.values()):
+            self.messages.append(text)
+
+
+_SEEN = _FakeKnobWarnings()
+
+
+def _warnings_naming(ctx, var: str) -> list[str]:
+    """Attach ``_SEEN`` (once) to the root logger and the namespace's logger; the warnings this
+    process has seen so far that name ``var``."""
+    for logger in (logging.getLogger(), logging.getLogger(ctx.impl.ns.__name__)):
+        if _SEEN not in logger.handlers:
+            logger.addHandler(_SEEN)
+    return [m for m in _SEEN.messages if var in m]
+
+
 @check(
     area="fsdp1_runtime",
     requires={base.FLAT_PARAM, base.FSDP1_API, base.TRAINING, base.FSDP1_FAKE_COLLECTIVES},
@@ -276,15 +317,25 @@ def fake_collectives_knob(ctx, var):
     unset) in the environment while ``InnerHeadNet`` is wrapped (``inner`` its own unit, both
     sharded), a forward and a backward complete: the output has the unsharded model's shape and
     every flat parameter a gradient of its shard's shape (the values are undefined by design).
-    The environment is restored right after construction, where the units read it."""
+    The environment is restored right after construction, where the units read it. By the end of
+    the construction this process has warned naming the variable (a ``logging`` record at WARNING
+    or above, or a ``warnings.warn``), which it may do once per process only (see [Note: a
+    warning given once per process])."""
     others = {case["var"]: None for case in FAKE_CASES.values()}
+    _warnings_naming(ctx, var)  # listening before the construction
     with _environment({**others, var: "1"}):
         ctx.seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             model = ctx.impl.shard(
                 InnerHeadNet().to(ctx.device), ctx, plan=[("inner", {}), ("", {})]
             )
+    _SEEN.messages += [str(w.message) for w in caught if var in str(w.message)]
+    seen = _warnings_naming(ctx, var)
+    assert seen, (
+        f"{ctx.where()} {var}=1: no warning naming {var} in this process by the end of the "
+        "construction (neither a logging record at WARNING or above nor a warnings.warn)"
+    )
     x = torch.randn(B, 4, generator=torch.Generator().manual_seed(8)).to(ctx.device)
     out = model(x)
     assert tuple(out.shape) == (B, 3), f"{ctx.where()} {var}=1: output shape {tuple(out.shape)}"

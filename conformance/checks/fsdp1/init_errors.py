@@ -1,5 +1,6 @@
 """Area "fsdp1_runtime": what FSDP1's constructor says about its arguments (R30-R32) and which
-arguments it refuses (R56, R67, R83, R95).
+arguments it refuses (R56, R67, R83, R95); a unit that ran as a root refused under a new root
+(R116).
 
 [Note: refusals are contracts]
 Each refusal is pinned by its exception type and a stable part of its message (upstream's
@@ -11,13 +12,20 @@ optimizer-state ones (R99, R100, R102, R103), ``conformance/checks/state_dict/op
 
 [Note: the constructor's refusals]
 * The constructor refuses a scalar parameter and an FSDP unit among ``ignored_modules``, and warns
-  when the module itself is ignored (R56).
+  when the module itself is ignored (R56). The scalar is refused as such wherever it sits, also
+  after a frozen parameter (whose mixed ``requires_grad`` would otherwise be refused first).
 * ``ignored_modules`` that FSDP1 cannot hold as a set of modules (an int, a list with an unhashable
   module) is refused with TypeError (R67).
 * ``device_id`` names the compute device; when the module's parameters are not there after
   construction moved and materialised them (a meta module whose ``param_init_fn`` does nothing),
   or when the CPU is named with an index (``cpu:0``, which is not the CPU compute device ``cpu``),
   construction is refused with ValueError naming both devices (R83).
+
+[Note: a former root under a new root]
+A unit that has run a forward as the root of its own tree (wrapped alone, called alone) cannot
+become a non-root: wrapped under a new root, the new root's first forward raises AssertionError
+"Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to
+`False`" (R116). One that trained as a non-root may be wrapped again (R111, ``root_init.py``).
 """
 
 from __future__ import annotations
@@ -308,12 +316,26 @@ class _ScalarGain(nn.Module):
         return self.lin(x) * self.gain
 
 
+class _FrozenThenGain(nn.Module):
+    """A frozen 1-D ``w`` registered before a trainable scalar ``gain``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.gain = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return x * self.w * self.gain
+
+
 @check(area="fsdp1_runtime", requires={base.FLAT_PARAM, base.FSDP1_API}, world_sizes=(1,))
 def constructor_refusals(ctx):
     """R56: a module holding a 0-dim parameter ``gain`` is refused with ValueError naming
-    ``gain`` as scalar; an FSDP unit among ``ignored_modules`` is refused with ValueError "should
-    not include FSDP modules"; ignoring the wrapped module itself warns (UserWarning "top-level
-    module"), the forward then equal to the unwrapped module's."""
+    ``gain`` as scalar, also when a frozen 1-D parameter ``w`` is registered before it
+    (``use_orig_params=False``, where mixed ``requires_grad`` is refused too: the scalar is
+    named); an FSDP unit among ``ignored_modules`` is refused with ValueError "should not include
+    FSDP modules"; ignoring the wrapped module itself warns (UserWarning "top-level module"),
+    the forward then equal to the unwrapped module's."""
     fsdp = ctx.impl.FSDP
     dev = {"device_id": ctx.device}
     expect_error(
@@ -322,6 +344,13 @@ def constructor_refusals(ctx):
         ValueError,
         r"(?i)scalar.*gain|gain.*scalar",
         lambda: fsdp(_ScalarGain().to(ctx.device), **dev),
+    )
+    expect_error(
+        ctx,
+        "a scalar parameter after a frozen one (use_orig_params=False)",
+        ValueError,
+        r"(?i)scalar.*gain",
+        lambda: fsdp(_FrozenThenGain().to(ctx.device), use_orig_params=False, **dev),
     )
     ctx.seed(0)
     inner = fsdp(nn.Linear(4, 4).to(ctx.device), **dev)
@@ -345,3 +374,26 @@ def constructor_refusals(ctx):
     )
     x = torch.randn(B, 4, generator=torch.Generator().manual_seed(2)).to(ctx.device)
     assert_close(ctx, "forward with everything ignored", model(x), ref(x), FP32["loss"])
+
+
+# ------------------------------------------------------------------------------ R116
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def former_root_under_new_root_refused(ctx):
+    """R116: ``inner = FSDP(Linear(4, 4))`` that ran a forward alone (as the root of its own
+    tree), then wrapped as ``FSDP(Sequential(inner, Linear(4, 4)))``: the new root's first
+    forward raises AssertionError "Non-root FSDP instance's `_is_root` should not have been set
+    yet or should have been set to `False`"."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    ctx.seed(0)
+    inner = fsdp(nn.Linear(4, 4).to(ctx.device), **_kwargs(ctx))
+    x = torch.randn(B, 4, generator=torch.Generator().manual_seed(116)).to(ctx.device)
+    inner(x)
+    outer = fsdp(nn.Sequential(inner, nn.Linear(4, 4).to(ctx.device)), **_kwargs(ctx))
+    expect_error(
+        ctx,
+        "the first forward of a new root over a unit that ran as a root",
+        AssertionError,
+        r"Non-root FSDP instance's `_is_root` should not have been set yet or should have been "
+        r"set to `False`",
+        lambda: outer(x),
+    )

@@ -1,12 +1,12 @@
 """Area "state_dict": FSDP1's older optimizer-state APIs and the optimizer-state offload knobs
-(S26, S24).
+(S26, S24, S64).
 
 [Note: the older optimizer-state APIs]
 Before ``optim_state_dict`` / ``optim_state_dict_to_load`` (S24), FSDP1 offered one static
 method per form, still public (deprecated) in torch 2.13; each gives the same state S24 does:
 * ``full_optim_state_dict(model, optim, rank0_only=)``: the FULL form (FQN keys, full tensors
   equal to the unsharded optimizer's), on rank 0 only with ``rank0_only=True`` (``{}``
-  elsewhere), on every rank with False;
+  elsewhere), on every rank with False; ``rank0_only`` defaults to True (S64);
 * ``sharded_optim_state_dict(model, optim)``: the SHARDED form (ShardedTensors of dim-0 chunks);
 * the way back into the flat optimizer, each followed by ``optim.load_state_dict``:
   ``shard_full_optim_state_dict(full_osd, model)`` (every rank holds the full dict),
@@ -46,20 +46,28 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-@check(
-    area=AREA,
-    requires=REQUIRES,
-    cases={"rank0_only": {"rank0_only": True}, "every_rank": {"rank0_only": False}},
-    world_sizes=(2,),
-)
+FULL_OSD_CASES = {
+    "rank0_only": {"rank0_only": True},
+    "every_rank": {"rank0_only": False},
+    "default": {"rank0_only": None},
+}
+
+
+@check(area=AREA, requires=REQUIRES, cases=FULL_OSD_CASES, world_sizes=(2,))
 def fsdp1_full_optim_state_dict(ctx, rank0_only):
     """S26: ``full_optim_state_dict(model, optim, rank0_only=...)`` after two Adam steps is the
     FULL form of S24 (FQN keys, full tensors equal to the unsharded optimizer's state), on rank 0
     only with ``rank0_only=True`` (``{}`` elsewhere) and on every rank with False;
-    ``sharded_optim_state_dict`` is the SHARDED form."""
+    ``sharded_optim_state_dict`` is the SHARDED form. S64: ``full_optim_state_dict(model,
+    optim)`` without ``rank0_only`` (case ``default``) is the ``rank0_only=True`` result: the
+    FULL form on rank 0, ``{}`` on every other rank."""
     fsdp = ctx.impl.ns.FullyShardedDataParallel
     oracle, oopt, model, opt = _trained(ctx)
-    osd = _quiet(fsdp.full_optim_state_dict, model, opt, rank0_only=rank0_only)
+    if rank0_only is None:
+        osd = _quiet(fsdp.full_optim_state_dict, model, opt)
+        rank0_only = True  # what the default must give
+    else:
+        osd = _quiet(fsdp.full_optim_state_dict, model, opt, rank0_only=rank0_only)
     if rank0_only and ctx.rank != 0:
         assert not osd, f"{ctx.where()} rank0_only=True: expected {{}}, got keys {sorted(osd)}"
     else:
