@@ -37,6 +37,7 @@ Gradient handling (reduction, no_sync accumulation, gradient views and dtypes) l
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,8 @@ from reference._fsdp1._flat_layout import (
     shard_param_infos,
     shard_range,
 )
+
+logger = logging.getLogger(__name__)
 
 FLAT_PARAM = "_flat_param"
 
@@ -142,6 +145,10 @@ class FlatParamHandle(FlatGradHandling):
         self._reshard_after_forward = sharded and reshard_after_forward
         self._use_orig_params = use_orig_params
         self._fully_sharded_module = fully_sharded_module
+        # Read once, at construction (as upstream): INFO logs each post-backward (R120).
+        self._debug_level = dist.get_debug_level()
+        # The original parameters' names from the root, set by the root's lazy init.
+        self._root_fqns: list[str] | None = None
         self._orig_param_dtype = params[0].dtype
         self._compute_dtype = param_dtype or self._orig_param_dtype
         # A param dtype without a reduce dtype reduces in the param dtype (upstream's rule).
@@ -284,8 +291,16 @@ class FlatParamHandle(FlatGradHandling):
         for s in fp._shared_param_infos:
             if getattr(s.module, s.param_name) is not getattr(s.prim_module, s.prim_param_name):
                 raise NotImplementedError("Changing shared parameters is not supported yet")
-        storage = fp.untyped_storage().data_ptr()
         infos = fp._shard_param_infos
+        for i, info in enumerate(fp._param_infos):
+            # The user replaced the variable itself (``lin.weight = nn.Parameter(...)``): adopt
+            # the new Parameter where this rank holds a piece of it (R119); a deregistered one
+            # (R80) is left alone.
+            cur = getattr(info.module, info.param_name, None)
+            mine = infos[i].in_shard or not self.uses_sharded_strategy
+            if mine and isinstance(cur, nn.Parameter) and cur is not self._orig_params[i]:
+                self._orig_params[i] = cur
+        storage = fp.untyped_storage().data_ptr()
         replaced = [
             p.untyped_storage().data_ptr() != storage
             and (infos[i].in_shard or not self.uses_sharded_strategy)
@@ -435,6 +450,8 @@ class FlatParamHandle(FlatGradHandling):
         """The gradient reached the flat parameter: drop the gathered tensors, reshard, and (with
         use_orig_params) point each original ``.grad`` at its part of the flat gradient and step
         the optimizers applied in backward."""
+        if self._use_orig_params and self._debug_level == dist.DebugLevel.INFO:
+            logger.warning("FSDP firing post-backward hooks for parameters %s", self._root_fqns)
         if self._gathered_for_backward:
             self._gathered_for_backward.clear()
             self.reshard()

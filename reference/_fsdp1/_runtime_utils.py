@@ -41,7 +41,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState, _warn
+from reference._fsdp1._common_utils import _fsdp_modules, _FSDPState, _warn, clean_tensor_name
 from reference._fsdp1._flat_param import FLAT_PARAM
 
 # FSDP1 forwards now running (any tree): while > 0, a parent may read a child's parameter.
@@ -75,6 +75,12 @@ def _lazy_init(state: _FSDPState) -> None:
                 "Non-root FSDP instance's `_is_root` should not have been set yet or should have "
                 "been set to `False`: a unit that ran a forward as a root cannot become a non-root"
             )
+    for prefix, fsdp in state.named_modules():
+        if isinstance(fsdp, _FSDPState) and fsdp._handle is not None:
+            at = f"{prefix}." if prefix else ""
+            fsdp._handle._root_fqns = [
+                clean_tensor_name(at + f) for f in fsdp._handle.flat_param._fqns
+            ]
     for fsdp in _fsdp_modules(state):
         if fsdp._lazy_init_done:
             continue
