@@ -1,6 +1,7 @@
 """Area "fsdp1_runtime": the ``FSDP_*`` environment variables read when FSDP1 units are built:
 ``FSDP_USE_FULL_PREC_IN_EVAL`` (R54, R63), ``FSDP_USE_FAKE_ALL_GATHER`` /
-``FSDP_USE_FAKE_REDUCE`` (R60) and ``FSDP_USE_UNSAFE_SETATTR`` (R94).
+``FSDP_USE_FAKE_REDUCE`` (R60) and ``FSDP_USE_UNSAFE_SETATTR`` (R94); and the
+``TORCH_DISTRIBUTED_DEBUG=INFO`` log of each unit's post-backward (R120).
 
 [Note: what the environment knobs promise]
 * ``FSDP_USE_FULL_PREC_IN_EVAL=1`` makes a mixed-precision model compute in full precision in
@@ -17,6 +18,9 @@
   ``__setattr__`` (without it the override is called) and changes nothing else: the names inside
   the forward and after a step, the output and the parameters after the step are as without it
   (R94).
+* At debug level INFO (``TORCH_DISTRIBUTED_DEBUG=INFO``, or ``set_debug_level(INFO)`` before
+  the units are built) with ``use_orig_params=True``, each unit's post-backward logs a WARNING
+  naming its original parameters by their clean names from the root (R120).
 
 [Note: a warning given once per process]
 A warning that an implementation gives only once per process (upstream remembers that it has
@@ -37,9 +41,11 @@ import contextlib
 import copy
 import logging
 import os
+import re
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conformance.adapters import base
@@ -345,4 +351,58 @@ def fake_collectives_knob(ctx, var):
         assert grad is not None and grad.shape == shard.shape, (
             f"{ctx.where()} {var}=1: flat gradient of {fqns} is "
             f"{None if grad is None else tuple(grad.shape)}, expected {tuple(shard.shape)}"
+        )
+
+
+# ------------------------------------------------------------------------------ R120
+class _Records(logging.Handler):
+    """Keeps the message of every record at WARNING or above while attached."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.TRAINING}, world_sizes=(1, 2))
+def post_backward_log_at_info(ctx):
+    """R120: debug level INFO (``torch.distributed.set_debug_level``) from before construction to
+    the end of a backward, ``use_orig_params=True``, ``InnerHeadNet`` with ``inner`` its own unit
+    and the root holding ``head``: the backward of one forward (the same batch on every rank) logs,
+    at WARNING or above, for each unit a record naming the clean names of exactly that unit's
+    parameters (``inner.weight``, ``inner.bias``; ``head.weight``, ``head.bias``) and no other
+    parameter, with ``post-backward`` in it."""
+    units = [("inner.weight", "inner.bias"), ("head.weight", "head.bias")]
+    every = {n for unit in units for n in unit}
+    seen = _Records()
+    loggers = (logging.getLogger(), logging.getLogger(ctx.impl.ns.__name__))
+    old_level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        for logger in loggers:
+            logger.addHandler(seen)
+        ctx.seed(0)
+        model = ctx.impl.shard(
+            InnerHeadNet().to(ctx.device), ctx, plan=[("inner", {}), ("", {})], use_orig_params=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(_x(ctx, 4, 12)).sum().backward()
+    finally:
+        dist.set_debug_level(old_level)
+        for logger in loggers:
+            logger.removeHandler(seen)
+    logs = [m for m in seen.messages if "post-backward" in m]
+    for unit in units:
+        hits = [
+            m
+            for m in logs
+            if set(unit) <= set(re.findall(r"[A-Za-z_][\w.]*", m))
+            and not (every - set(unit)) & set(re.findall(r"[A-Za-z_][\w.]*", m))
+        ]
+        assert hits, (
+            f"{ctx.where()} at debug level INFO no post-backward WARNING named exactly the unit's "
+            f"parameters {list(unit)}; post-backward records: {[m[:160] for m in logs]}"
         )

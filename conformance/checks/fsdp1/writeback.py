@@ -13,6 +13,10 @@ between forwards, and how FSDP1 writes it back: silently (R64), past a deregiste
   original parameter whose ``.data`` was replaced (same shape) shows its new values inside it.
   One deregistered from its module (``del inner[0].weight``, as checkpointing wrappers do for a
   while) is skipped, and the writeback goes on with the parameters after it (R80).
+* An original parameter *variable* replaced outside forward (``lin.weight = nn.Parameter(...)``
+  of the sharded shape) is adopted, not only copied: the next forward computes with its values,
+  and the user's new Parameter stays registered on the module, backed by the unit's storage, and
+  receives the gradient, so an optimizer built over it trains the model (R119).
 """
 
 from __future__ import annotations
@@ -120,5 +124,54 @@ def writeback_past_deregistered_param(ctx):
                 f"{name} in summon_full_params after del 0.weight and a .data replacement",
                 got.detach(),
                 want.detach(),
+                FP32["param"],
+            )
+
+
+# ------------------------------------------------------------------------------ R119
+@check(area="fsdp1_runtime", requires=REQUIRES | {base.TRAINING}, world_sizes=(1, 2))
+def replaced_orig_param_variable(ctx):
+    """R119: ``use_orig_params=True``, one unit over ``Linear(4, 4)``: outside forward each rank
+    replaces the variable ``lin.weight`` by a new ``nn.Parameter`` of its (sharded) shape holding
+    0.5; the next forward (the same batch on every rank) equals the unsharded Linear whose weight is
+    all 0.5, ``lin.weight`` is still that new Parameter after it, and one SGD step (lr 0.1) of an
+    optimizer built over ``model.parameters()`` after the replacement gives, reassembled in
+    ``summon_full_params``, the unsharded model's weight and bias after the same step."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    oracle = nn.Linear(4, 4).to(ctx.device)
+    model = ns.FullyShardedDataParallel(copy.deepcopy(oracle), use_orig_params=True, **_kwargs(ctx))
+    lin = model.module
+    new = nn.Parameter(torch.full_like(lin.weight.detach(), 0.5))
+    lin.weight = new
+    with torch.no_grad():
+        oracle.weight.fill_(0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    x = _x(ctx, 4, 11)
+    out = model(x)
+    want = oracle(x)
+    assert_close(
+        ctx,
+        "forward after lin.weight = new Parameter(0.5s)",
+        out.detach(),
+        want.detach(),
+        FP32["loss"],
+    )
+    assert lin.weight is new, (
+        f"{ctx.where()} after the forward lin.weight is no longer the Parameter the user set "
+        "(the replaced variable must stay registered)"
+    )
+    out.sum().backward()
+    want.sum().backward()
+    opt.step()
+    oopt.step()
+    with ns.FullyShardedDataParallel.summon_full_params(model):
+        for name in ("weight", "bias"):
+            assert_close(
+                ctx,
+                f"{name} after one step over the replaced weight",
+                getattr(lin, name).detach(),
+                getattr(oracle, name).detach(),
                 FP32["param"],
             )
