@@ -311,16 +311,63 @@ def _parse(source: str) -> ast.AST:
     return ast.parse(source)
 
 
-def reach(source: str, line: int) -> Reach:
+# [Note: functions that run at import]
+# A module-level function used as a decorator (``@name`` or ``@name(...)`` anywhere in the
+# target's files, e.g. torch's ``_disable_functorch_if_active`` or the reference's
+# ``_outside_functorch``) runs its own body while the modules it decorates are imported: before
+# the trace run's tracer starts, and before a live code swap could reach it (the decorated
+# functions already hold what it returned). A change in that body is placed like a module-level
+# change (import time: every case of the file's part, judged in a fresh run with the file
+# rewritten), never "no case executes the mutated statement". Functions nested in it (the wrapper
+# it returns) run at call time and are traced as usual.
+
+
+@functools.lru_cache(maxsize=4)
+def called_at_import(root: Path, target: str) -> frozenset[str]:
+    """The names used as decorators in the target's files under ``root`` (see the Note)."""
+    files = torch_files(root) if target == "torch" else reference_files(root)
+    names: set[str] = set()
+    for file in files:
+        for node in ast.walk(_parse((root / file).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for dec in node.decorator_list:
+                    dec = dec.func if isinstance(dec, ast.Call) else dec
+                    if isinstance(dec, (ast.Name, ast.Attribute)):
+                        names.add(dec.id if isinstance(dec, ast.Name) else dec.attr)
+    return frozenset(names)
+
+
+def _decorator_body(tree: ast.AST, line: int, at_import: frozenset[str]) -> bool:
+    """Whether ``line`` is in the own body of a module-level function named in ``at_import``
+    (not in a function nested in it)."""
+    for node in getattr(tree, "body", []):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name in at_import
+            and node.body[0].lineno <= line <= node.end_lineno
+        ):
+            return not any(
+                isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                and inner is not node
+                and inner.lineno <= line <= inner.end_lineno
+                for inner in ast.walk(node)
+            )
+    return False
+
+
+def reach(source: str, line: int, at_import: frozenset[str] = frozenset()) -> Reach:
     """The lines whose execution exposes a change at ``line``.
 
     * inside a function body: the innermost statement containing ``line`` (a compound
       statement's header only: ``if x:`` up to its body);
     * a function's decorators or signature (defaults): the function's body lines (a decorator
       also flags ``decorator``);
-    * anything else (module or class level): import time.
+    * the own body of a module-level function named in ``at_import`` (one used as a decorator,
+      :func:`called_at_import`), and anything else (module or class level): import time.
     """
     tree = _parse(source)
+    if at_import and _decorator_body(tree, line, at_import):
+        return Reach(frozenset(), True)
     best: tuple[int, int] | None = None
     func_body: tuple[int, int] | None = None
     decorator = False

@@ -463,7 +463,8 @@ def prepare(mutant, tree: Path, cov: dict, fallback=None, classed: bool = False)
             kind = classes.NO_CALLER
     if kind:
         return {"record": record | {"status": "classed", "class": kind, "note": kind}}
-    where = population.reach(original, mutant.line)
+    target = population.target_of(mutant.file)
+    where = population.reach(original, mutant.line, population.called_at_import(tree, target))
     cases = population.select_cases(cov["lines"], mutant.file, where)
     widened = False
     if not cases and fallback is not None:

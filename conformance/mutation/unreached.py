@@ -78,7 +78,7 @@ def place(mutants, src: Path, maps: list[dict], target: str) -> list[dict]:
             or classes.no_caller(population.site_root(), m.file, m.line)
         ):
             continue
-        where = population.reach(text, m.line)
+        where = population.reach(text, m.line, population.called_at_import(src, target))
         if where.import_time or where.decorator:
             reached = any(population.select_cases(c["lines"], m.file, where) for c in maps)
         else:

@@ -91,6 +91,41 @@ def test_reach_maps_a_mutant_to_the_lines_that_expose_it():
     assert population.reach(SOURCE, 3).import_time  # module level
 
 
+DECORATOR_SOURCE = """\
+def outside(fn):
+    marker = 1
+
+    def run(*args):
+        return fn(*args)
+
+    return run
+
+
+@outside
+def g():
+    return 2
+"""
+
+
+def test_a_decorator_functions_own_body_runs_at_import():
+    # [Note: functions that run at import]: the decorator's own lines are import-time changes, the
+    # wrapper it returns runs at call time, and without the names the rule is the usual one
+    at_import = frozenset({"outside"})
+    assert population.reach(DECORATOR_SOURCE, 2, at_import).import_time
+    assert population.reach(DECORATOR_SOURCE, 7, at_import).import_time
+    assert population.reach(DECORATOR_SOURCE, 5, at_import).lines == {5}
+    assert population.reach(DECORATOR_SOURCE, 12, at_import).lines == {12}
+    assert population.reach(DECORATOR_SOURCE, 7).lines == {7}
+
+
+def test_called_at_import_finds_the_decorators_of_the_files(tmp_path):
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "m.py").write_text(
+        DECORATOR_SOURCE + "\n@a.b(1)\ndef h():\n    pass\n"
+    )
+    assert population.called_at_import(tmp_path, "reference") == {"outside", "b"}
+
+
 def test_selection_takes_the_cases_that_ran_the_lines():
     x, y = "reference/wrap/x.py", "reference/wrap/y.py"  # one part
     cov = {
