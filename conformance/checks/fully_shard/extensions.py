@@ -1,7 +1,8 @@
 """Area "extensions": parameters whose local shard defines ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` are all-gathered through those hooks (P14): with an explicit
 ``unshard()`` (P82), on an HSDP mesh (P16), under CPU offload (P96), and refused when the pre
-hook does not pad an uneven shard (P105).
+hook does not pad an uneven shard (P105); resharding one to a smaller post-forward group is
+refused in backward (P129).
 
 [Note: the protocol]
 * FSDP calls the pre hook on the rank's *local* shard: with one argument ``(mesh)`` (legacy) or five
@@ -393,4 +394,36 @@ def unpadded_all_gather_inputs_refused(ctx):
         rf"When a parameter is unevenly sharded by FSDP \(orig size=.*FSDP world size={ws}\), "
         r"fsdp_pre_all_gather must return all-gather inputs with the padded sharded size",
         module.unshard,
+    )
+
+
+@check(
+    area="extensions",
+    requires={base.EXTENSIONS, base.FSDP2_API, base.RESHARD_AFTER_FORWARD},
+    world_sizes=(4,),
+)
+def extension_smaller_mesh_reshard_refused(ctx):
+    """P129: a unit over an all-gather-extension weight with one all-gather input (``Single5``,
+    dim 0 even: 8 rows) sharded with ``reshard_after_forward=2`` (a 2-rank post-forward group of
+    4) computes its forward as the unsharded weight does (the output equals ``x @ w.T``), but
+    gathering again from the smaller group for backward goes through no extension: the backward
+    raises NotImplementedError (on every rank alike, so nothing hangs)."""
+    ws, rank = ctx.world_size, ctx.rank
+    rows = 2 * ws
+    module = PairLinear(rows, Single5).to(ctx.device)
+    full = (distinct_values((rows, 3), 0) / 100.0).to(ctx.device)
+    ctx.impl.ns.fully_shard(module, mesh=ctx.mesh, reshard_after_forward=2)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * ws, 3, generator=g).to(ctx.device)
+    mine = slice(2 * rank, 2 * rank + 2)
+    out = module(x[mine])
+    assert torch.allclose(out.detach().cpu(), (x[mine] @ full.T).cpu(), rtol=1e-5, atol=1e-6), (
+        f"{ctx.where()} forward with reshard_after_forward=2 differs from x @ w.T"
+    )
+    expect_error(
+        ctx,
+        "backward after a reshard to the 2-rank post-forward group",
+        NotImplementedError,
+        r"",
+        lambda: out.square().sum().backward(),
     )

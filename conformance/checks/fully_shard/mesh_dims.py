@@ -1,5 +1,6 @@
 """Area "training": ``fully_shard(dp_mesh_dims=DataParallelMeshDims(...))`` on a full SPMD mesh
-(P40, P41, P79), names given as one-name tuples (P100), and the arguments it refuses (P93, P99).
+(P40, P41, P79), names given as one-name tuples (P100), the arguments it refuses (P93, P99), and the
+shard-group setters a replicate-only unit refuses (P126).
 
 [Note: the SPMD mesh]
 With ``dp_mesh_dims`` the ``mesh`` passed to ``fully_shard`` is the whole SPMD mesh and every
@@ -347,4 +348,71 @@ def dp_mesh_dims_tuple_names(ctx):
         assert torch.equal(param.to_local(), want.to_local()), f"{ctx.where()} {fqn}: local differs"
         assert torch.equal(param.full_tensor(), want.full_tensor()), (
             f"{ctx.where()} {fqn}: full value differs"
+        )
+
+
+SHARD_GROUP_SETTERS = {
+    # name: (setter, its arguments, AssertionError text; "" for a bare AssertionError)
+    "reshard-after-forward": ("set_reshard_after_forward", (True,), ""),
+    "separate-reduce-scatter": (
+        "set_separate_reduce_scatter_group",
+        (),
+        "Expected mesh_info to be FSDPMeshInfo",
+    ),
+    "pg-allocator": (
+        "set_allocate_memory_from_process_group_for_comm",
+        (True,),
+        "Expected mesh_info to be FSDPMeshInfo",
+    ),
+}
+
+
+@check(
+    area="training",
+    requires=REQUIRES,
+    cases={n: {"name": n} for n in SHARD_GROUP_SETTERS},
+    world_sizes=(1, 2),
+)
+def replicate_only_refuses_shard_setters(ctx, name):
+    """P126: a unit sharded with ``DataParallelMeshDims(replicate="dp")`` alone (P69: nothing
+    sharded, plain data parallelism on a ``("dp", "tp")`` mesh of shape ``(ws, 1)``) has no shard
+    group, so the setters that act on one refuse with AssertionError when called on the unit
+    ``inp``: ``set_reshard_after_forward(True)`` (bare), ``set_separate_reduce_scatter_group()`` and
+    ``set_allocate_memory_from_process_group_for_comm(True)`` ("Expected mesh_info to be
+    FSDPMeshInfo ..."), while ``set_allocate_memory_from_process_group_for_comm(False)`` is
+    accepted. The refusal leaves training intact: a forward/backward on this rank's samples gives
+    every parameter (``Replicate()``, the whole tensor locally) the unsharded model's gradient on
+    the global batch, averaged over the ranks."""
+    ns = ctx.impl.ns
+    method, args, text = SHARD_GROUP_SETTERS[name]
+    ws, rank = ctx.world_size, ctx.rank
+    mesh = ctx.make_mesh((ws, 1), ("dp", "tp"))
+    ctx.seed(0)
+    oracle = Pair().to(ctx.device)
+    model = OnMesh(copy.deepcopy(oracle), mesh, None)
+    for unit in (model.inp, model.out, model):
+        ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=ns.DataParallelMeshDims(replicate="dp"))
+    if method == "set_allocate_memory_from_process_group_for_comm":
+        model.inp.set_allocate_memory_from_process_group_for_comm(False)  # no group needed
+    call = f"inp.{method}{args!r}"
+    try:
+        getattr(model.inp, method)(*args)
+    except AssertionError as exc:
+        assert text in str(exc), f"{ctx.where()} {call}: AssertionError {exc!r} lacks {text!r}"
+    else:
+        raise AssertionError(
+            f"{ctx.where()} {call} on a replicate-only unit was accepted; expected AssertionError"
+        )
+    g = torch.Generator().manual_seed(93)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    model(x[rank * B : (rank + 1) * B]).square().mean().backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor), f"{ctx.where()} {fqn}.grad is {param.grad!r}"
+        assert_close(
+            ctx,
+            f"{fqn} gradient after the refused {method}",
+            param.grad.to_local(),
+            oracle.get_parameter(fqn).grad,
+            FP32["grad"],
         )

@@ -1,5 +1,5 @@
 """Area "training": a unit returning a view tensor (P84) and a unit recomputed in backward by
-activation checkpointing (P85).
+activation checkpointing (P85), also after the unit's post-backward resharded it (P130).
 
 [Note: view outputs and recomputation]
 P84: a tensor that requires grad and is a view (``t._base is not None``) among a unit's forward
@@ -272,3 +272,80 @@ def recompute_unit_casts_inputs(ctx):
     )
     oloss.mean().backward()
     _compare_grads(ctx, model, oracle, "param_dtype=bf16", BF16_TOL["grad"])
+
+
+class TwiceRecomputed(nn.Module):
+    """The unit ``u`` used twice, each use inside its own non-reentrant ``checkpoint`` region
+    that also holds a plain layer after it: ``x -> [u -> tanh -> a] -> [u -> tanh -> b]``;
+    ``cast`` (the oracle's, None in the sharded model) runs ``u`` on its input cast to that dtype
+    and casts its output back to fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.cast: torch.dtype | None = None
+
+    def _region(self, x, after):
+        h = self.u(x) if self.cast is None else self.u(x.to(self.cast)).float()
+        return after(torch.tanh(h))
+
+    def forward(self, x):
+        h = checkpoint(self._region, x, self.a, use_reentrant=False)
+        return checkpoint(self._region, h, self.b, use_reentrant=False)
+
+
+@check(area="training", requires=REQUIRES)
+def recompute_after_unit_backward(ctx):
+    """P130: a unit ``u`` used twice in one forward, each use recomputed by non-reentrant
+    ``checkpoint`` in a region that ends in a plain layer (``TwiceRecomputed``), under a root
+    unit: in backward the second region is recomputed and its gradients reach ``u``, whose
+    post-backward frees its unsharded parameters; the first region is recomputed next, before
+    any gradient reaches ``u``'s output of that use, so ``u`` must be unsharded again for that
+    recomputation. Over 2 SGD steps the losses, sharded gradients (``u``'s the sum of both uses')
+    and parameters equal the unsharded model's (``backward_and_compare``)."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    model = TwiceRecomputed().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    ns.fully_shard(model.u, mesh=ctx.mesh)
+    ns.fully_shard(model, mesh=ctx.mesh)
+    opts = (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(oracle.parameters(), lr=0.1),
+    )
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    for step in range(2):
+        x, y = _batch(ctx, step)
+        backward_and_compare(ctx, model, oracle, (model(x[mine]), oracle(x), y, mine), opts, step)
+
+
+@check(area="training", requires=REQUIRES | {base.MIXED_PRECISION})
+def recompute_after_unit_backward_output_dtype(ctx):
+    """P130, P5: as ``recompute_after_unit_backward`` with ``u`` of ``MixedPrecisionPolicy(
+    param_dtype=bf16, output_dtype=fp32)``: each recomputation of ``u`` (the second region's
+    and, after ``u``'s post-backward, the first's) returns the fp32 output the forward returned,
+    or the recomputed activations no longer match the saved ones; backward succeeds and the output,
+    loss and fp32 sharded gradients (``full_tensor()``) equal the unsharded model computing ``u``
+    in bf16 (its parameters and input cast, its output cast back to fp32) within bf16 tolerances."""
+    ns = ctx.impl.ns
+    ctx.seed(0)
+    model = TwiceRecomputed().to(ctx.device)
+    oracle = copy.deepcopy(model)
+    oracle.u.to(BF16)
+    oracle.cast = BF16
+    policy = ns.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=torch.float32)
+    ns.fully_shard(model.u, mesh=ctx.mesh, mp_policy=policy)
+    ns.fully_shard(model, mesh=ctx.mesh)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = _batch(ctx, 0)
+    out, oout = model(x[mine]), oracle(x)
+    assert out.dtype == torch.float32, f"{ctx.where()} output dtype {out.dtype}, expected fp32"
+    assert_close(ctx, "output", out, oout[mine], BF16_TOL["out"])
+    loss = ((out - y[mine]) ** 2).mean()
+    oloss = ((oout - y) ** 2).mean(dim=1)
+    assert_close(ctx, "loss", loss, oloss[mine].mean(), BF16_TOL["out"])
+    _backward(ctx, loss, "u of param_dtype=bf16, output_dtype=fp32 recomputed twice")
+    oloss.mean().backward()
+    _compare_grads(ctx, model, oracle, "output_dtype=fp32", BF16_TOL["grad"])

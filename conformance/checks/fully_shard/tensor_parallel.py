@@ -1,5 +1,6 @@
 """Area "tensor_parallel": FSDP on the dp dim of a 2-D (dp, tp) mesh over tensor-parallel DTensor
-parameters (P15), at world size 4 as a 2 x 2 mesh (the sequence-parallel check also at 2, as 1 x 2).
+parameters (P15), at world size 4 as a 2 x 2 mesh (the sequence-parallel check also at 2, as 1 x 2), with
+``param_dtype=bf16`` (P128), and the 3-D model-parallel meshes it refuses (P127).
 
 [Note: the layout rule]
 ``parallelize_module`` (``in_proj``: ``ColwiseParallel``, ``out_proj``: ``RowwiseParallel``) leaves
@@ -321,3 +322,115 @@ def _compare_grads_then_step(ctx, model, oracle, optimizers, step: int) -> None:
     for opt in optimizers:
         opt.step()
         opt.zero_grad()
+
+
+BF16_TOL = dict(rtol=2e-2, atol=2e-3)  # the oracle's mixed-precision rule (outputs, gradients)
+
+
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.MIXED_PRECISION, base.TRAINING, base.FSDP2_API},
+    world_sizes=(4,),
+)
+def mixed_precision_over_tp(ctx):
+    """P128: FSDP with ``MixedPrecisionPolicy(param_dtype=bf16)`` over TP parameters (the Note's
+    model and 2 x 2 mesh, ``dim=8, hidden=12``): during forward each unsharded parameter is a
+    DTensor of dtype bf16 on the 1-D tp mesh with its TP placement (``in_proj`` ``Shard(0)``,
+    ``out_proj.weight`` ``Shard(1)``, ``out_proj.bias`` ``Replicate()``) and the original's
+    global shape; the output is bf16 and the gradients (kept in the fp32 original dtype) equal
+    the oracle's computed in bf16 (its parameters and the global batch cast to bf16, the mean
+    squared error in fp32), within the mixed-precision tolerances (rtol 2e-2, atol 2e-3)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    ns, bf16 = ctx.impl.ns, torch.bfloat16
+    dim, hidden = 8, 12
+    mesh = ctx.make_mesh((DP, TP), ("dp", "tp"))
+    ctx.seed(0)
+    model = TPMLP(dim, hidden).to(ctx.device)
+    oracle = copy.deepcopy(model).to(bf16)
+    parallelize_module(
+        model, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+    )
+    ns.fully_shard(model, mesh=mesh["dp"], mp_policy=ns.MixedPrecisionPolicy(param_dtype=bf16))
+    seen = {}
+
+    def record(module, args, prefix):
+        for pname, param in module.named_parameters(recurse=False):
+            seen[f"{prefix}.{pname}"] = param
+
+    for prefix in ("in_proj", "out_proj"):
+        getattr(model, prefix).register_forward_pre_hook(
+            lambda module, args, prefix=prefix: record(module, args, prefix)
+        )
+    want = {
+        "in_proj.weight": (Shard(0),),
+        "in_proj.bias": (Shard(0),),
+        "out_proj.weight": (Shard(1),),
+        "out_proj.bias": (Replicate(),),
+    }
+    x, y, mine = _batch(ctx, 0, dim)
+    out = model(x[mine])
+    for name, placements in want.items():
+        param, full = seen.get(name), oracle.get_parameter(name)
+        assert isinstance(param, DTensor), (
+            f"{ctx.where()} {name} in forward is {type(param).__name__}, expected a DTensor"
+        )
+        got = (param.dtype, tuple(param.placements), param.device_mesh.ndim, tuple(param.shape))
+        assert got == (bf16, placements, 1, tuple(full.shape)), (
+            f"{ctx.where()} {name} in forward: (dtype, placements, mesh ndim, shape) {got}, "
+            f"expected {(bf16, placements, 1, tuple(full.shape))}"
+        )
+    assert out.dtype == bf16, f"{ctx.where()} forward output is {out.dtype}, expected bf16"
+    oout = oracle(x.to(bf16))
+    assert_close(ctx, "bf16 forward output", out, oout[mine], BF16_TOL)
+    F.mse_loss(out.float(), y[mine]).backward()
+    F.mse_loss(oout.float(), y).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.dtype == torch.float32, (
+            f"{ctx.where()} {name}.grad is {getattr(param.grad, 'dtype', None)}, expected fp32"
+        )
+        assert_close(
+            ctx,
+            f"{name} gradient (full_tensor, vs the bf16 oracle)",
+            param.grad.full_tensor(),
+            oracle.get_parameter(name).grad,
+            BF16_TOL,
+        )
+
+
+@check(
+    area="tensor_parallel",
+    requires={base.TENSOR_PARALLEL, base.FSDP2_API},
+    world_sizes=(1, 2),
+)
+def three_dim_tp_refused(ctx):
+    """P127: ``fully_shard(module, mesh=<dp mesh>)`` over a module whose parameters are DTensors
+    on a 3-D model-parallel mesh (``("dp", "a", "b", "c")`` of shape ``(ws, 1, 1, 1)``, the
+    parameters ``Replicate()`` on ``("a", "b", "c")``) raises NotImplementedError naming the
+    parameter's placements ``(Replicate(), Replicate(), Replicate())``: FSDP composes with
+    1-D tensor parallelism (2-D EP+TP upstream), never more."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = ctx.make_mesh((ctx.world_size, 1, 1, 1), ("dp", "a", "b", "c"))
+    ctx.seed(0)
+    module = nn.Linear(4, 4).to(ctx.device)
+    for name, param in list(module.named_parameters()):
+        full = distribute_tensor(param.detach(), mesh["a", "b", "c"], [Replicate()] * 3)
+        setattr(module, name, nn.Parameter(full))
+    try:
+        ctx.impl.ns.fully_shard(module, mesh=mesh["dp"])
+    except NotImplementedError as exc:
+        assert "(Replicate(), Replicate(), Replicate())" in str(exc), (
+            f"{ctx.where()} NotImplementedError {str(exc)[:300]!r} does not name the placements "
+            "(Replicate(), Replicate(), Replicate())"
+        )
+        return
+    raise AssertionError(
+        f"{ctx.where()} fully_shard over 3-D TP DTensor parameters was accepted; expected "
+        "NotImplementedError (FSDP composes with 1-D TP only, or 2-D EP+TP)"
+    )
