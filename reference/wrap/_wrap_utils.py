@@ -145,6 +145,8 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
 
     def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
         for child_name, child in module.named_children():
+            if child is None:  # only an override of named_children() yields one: no child
+                continue
             if child not in visited:
                 visited.add(child)
                 visit(child, child_name, module)
@@ -411,4 +413,6 @@ def _walk_unit(
     walked.add(module)
     yield name, module
     for child_name, child in module.named_children():
+        if child is None:  # only an override of named_children() yields one: no child
+            continue
         yield from _walk_unit(child, f"{name}.{child_name}" if name else child_name, walked)
