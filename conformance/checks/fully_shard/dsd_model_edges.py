@@ -1,6 +1,6 @@
 """Area "fsdp2_state_dict": the less travelled paths of ``torch.distributed.checkpoint.state_dict``
-(DSD) model state dicts on a ``fully_shard`` model (P50, P51, P54, P55). The helpers here serve
-``dsd_optim_edges.py`` too.
+(DSD) model state dicts on a ``fully_shard`` model (P50, P51, P54, P55, P121). The helpers here
+serve ``dsd_optim_edges.py`` too.
 
 [Note: what DSD promises beyond the plain options]
 * A compiler wrapper (``OptimizedModule``: what ``torch.compile`` and ``torch.compiler.disable``
@@ -15,6 +15,8 @@
   refusals: ``broadcast_from_rank0`` without ``full_state_dict``, ``optim_only`` without an
   optimizer, an empty model or optimizer dict under a strict load, a key naming ``_flat_param``
   (P55).
+* ``_extra_state`` may only end a key: a child module registered under that name is refused by
+  every entry point (P121).
 The optimizer-dict edges (P52, P53) are in ``dsd_optim_edges.py``.
 
 The oracle is the unsharded model (with its own optimizer, fed the same global batch on every
@@ -412,3 +414,29 @@ def dsd_submodule_keys_and_refusals(ctx):
         "get_state_dict(model, []) on a model with no parameters or buffers",
         lambda: dsd.get_state_dict(empty, []),
     )
+
+
+# ----------------------------------------------- P121: a submodule named like the extra state
+@check(area=AREA, requires=MODEL, world_sizes=(1, 2))
+def dsd_submodule_named_extra_state_refused(ctx):
+    """P121: ``_extra_state`` names a module's extra state, so it may only end a key: on a sharded
+    ``Net`` with a child ``Linear(3, 3)`` registered under the name ``_extra_state`` (its keys
+    ``_extra_state.weight`` / ``_extra_state.bias`` in the model's own ``state_dict``),
+    ``get_model_state_dict``, ``set_model_state_dict`` (of the model's own ``state_dict``) and
+    ``get_optimizer_state_dict`` are each refused with RuntimeError "Expect `_extra_state` to be
+    the last obj name"."""
+    dsd = _dsd()
+    net = Net(0).to(ctx.device)
+    net.add_module("_extra_state", nn.Linear(3, 3).to(ctx.device))
+    model = _sharded(ctx, module=net)
+    own = model.state_dict()
+    assert "_extra_state.weight" in own, f"{ctx.where()} own keys {sorted(own)}"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pattern = r"Expect `_extra_state` to be the last obj name"
+    calls = {
+        "get_model_state_dict": lambda: dsd.get_model_state_dict(model),
+        "set_model_state_dict": lambda: dsd.set_model_state_dict(model, own),
+        "get_optimizer_state_dict": lambda: dsd.get_optimizer_state_dict(model, opt),
+    }
+    for what, fn in calls.items():
+        _expect_raise(ctx, RuntimeError, pattern, f"{what} (child named _extra_state)", fn)

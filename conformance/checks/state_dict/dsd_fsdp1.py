@@ -1,4 +1,4 @@
-"""Area "state_dict": ``torch.distributed.checkpoint.state_dict`` (DSD) on FSDP1 models (S34).
+"""Area "state_dict": ``torch.distributed.checkpoint.state_dict`` (DSD) on FSDP1 models (S34, P120).
 
 [Note: DSD over FullyShardedDataParallel]
 DSD's helpers take an FSDP1 model as they take a ``fully_shard`` one: ``get_optimizer_state_dict
@@ -8,6 +8,8 @@ keyed by parameter FQN, full tensors equal to the unsharded optimizer's; ``set_m
 / ``set_optimizer_state_dict`` with the same option load such dicts into a freshly built model and
 optimizer, and one more step gives the unsharded model's parameters. The root need not be FSDP1:
 a plain module whose children are each wrapped (each its own FSDP1 root) works the same way.
+With ``cpu_offload=True`` as well the full dict is rank 0's alone (the others get no state),
+also over several optimizers, each of which every rank still gathers with the others (P120).
 
 Every rank feeds the same global batch, so the FSDP average equals the unsharded gradient.
 """
@@ -19,7 +21,7 @@ import copy
 import torch
 
 from conformance.adapters import base
-from conformance.checks._shared.optim_state import assert_state
+from conformance.checks._shared.optim_state import STATE_TOL, assert_state
 from conformance.checks._shared.oracle import FP32, assert_close
 from conformance.checks._shared.sd_models import AREA, InnerHeadNet, full_params
 from conformance.registry import check
@@ -107,3 +109,66 @@ def dsd_fsdp1_optim_round_trip(ctx, root):
     got = _params(ctx, fresh, root)
     for name, ref in oracle.named_parameters():
         assert_close(ctx, f"{name} one step after the load", got[name], ref, FP32["param"])
+
+
+@check(area=AREA, requires=REQUIRES, world_sizes=(2,))
+def dsd_fsdp1_two_optimizers_rank0_offload(ctx):
+    """P120: ``get_optimizer_state_dict(model, (opt_inner, opt_head),
+    StateDictOptions(full_state_dict=True, cpu_offload=True))`` of an FSDP1 model (``inner`` its
+    own unit) trained two Adam steps with one optimizer per unit gives rank 0 both optimizers'
+    state under FQNs, CPU tensors equal to the unsharded optimizers' (the groups: ``inner``'s, then
+    the head's, with their own lr), and every other rank no state and no groups; every rank takes
+    part in both optimizers' gathers (a rank that stops after the first one's empty answer leaves
+    rank 0 waiting)."""
+    dsd = _dsd()
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    model = _shard(ctx, copy.deepcopy(oracle), True)
+    lrs = (1e-2, 5e-3)
+
+    def optimizers(m, inner_name):
+        inner = [p for n, p in m.named_parameters() if inner_name in n]
+        head = [p for n, p in m.named_parameters() if inner_name not in n]
+        return torch.optim.Adam(inner, lr=lrs[0]), torch.optim.Adam(head, lr=lrs[1])
+
+    oopts, opts = optimizers(oracle, "inner"), optimizers(model, "inner")
+    for step in range(STEPS):
+        for m, os_ in ((oracle, oopts), (model, opts)):
+            _step(ctx, m, os_[0], step)
+            os_[1].step()
+            os_[1].zero_grad()
+    osd = dsd.get_optimizer_state_dict(
+        model, opts, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if ctx.rank != 0:
+        assert not osd.get("state") and not osd.get("param_groups"), (
+            f"{ctx.where()} rank {ctx.rank} got {osd!r:.200}, expected no state and no groups "
+            "(rank0_only under cpu_offload)"
+        )
+        return
+    fqn_of = {p: n for n, p in oracle.named_parameters()}
+    want_groups = [sorted(fqn_of[p] for p in o.param_groups[0]["params"]) for o in oopts]
+    got_groups = [sorted(g["params"]) for g in osd.get("param_groups", [])]
+    assert got_groups == want_groups, (
+        f"{ctx.where()} param_groups list {got_groups}, expected one group per optimizer "
+        f"{want_groups}"
+    )
+    got_lrs = [g["lr"] for g in osd["param_groups"]]
+    assert got_lrs == list(lrs), f"{ctx.where()} groups' lr {got_lrs}, expected {list(lrs)}"
+    assert sorted(osd["state"]) == sorted(fqn_of.values()), (
+        f"{ctx.where()} state keys {sorted(osd['state'])}, expected {sorted(fqn_of.values())}"
+    )
+    for oopt in oopts:
+        for param, want in oopt.state.items():
+            name = fqn_of[param]
+            mine = osd["state"][name]
+            assert float(mine["step"]) == float(want["step"]), (
+                f"{ctx.where()} {name}: step {mine['step']}, expected {want['step']}"
+            )
+            for key, tol in STATE_TOL.items():
+                value = mine[key]
+                assert type(value) is torch.Tensor and value.device.type == "cpu", (
+                    f"{ctx.where()} {name}.{key}: {type(value).__name__} on "
+                    f"{getattr(value, 'device', None)}, expected a full CPU tensor"
+                )
+                assert_close(ctx, f"{name}.{key}", value, want[key].cpu(), tol)

@@ -1,4 +1,5 @@
-"""Area "state_dict": FSDP1's optimizer-state APIs on a model whose root is not FSDP (S46, S47).
+"""Area "state_dict": FSDP1's optimizer-state APIs on a model whose root is not FSDP (S46, S47,
+S65).
 
 [Note: a plain root over FSDP units]
 The optimizer-state APIs take the *model* the user holds, which need not be an FSDP unit: a plain
@@ -153,3 +154,52 @@ def fsdp1_optim_mixed_orig_params_refused(ctx):
 
         what = f"{name} on units mixing use_orig_params True and False"
         expect_error(ctx, what, AssertionError, MIXED, quietly)
+
+
+NOTE = torch.tensor([3.0, -1.5])
+
+
+@check(
+    area=AREA,
+    requires=REQUIRES,
+    cases={"flat-params": {"orig_params": False}, "orig-params": {"orig_params": True}},
+    world_sizes=(2,),
+)
+def fsdp1_optim_named_plain_root_user_state(ctx, orig_params):
+    """S65: on a plain root ``InnerHeadNet`` whose ``inner`` alone is an FSDP unit (``head`` a
+    plain Linear), after 2 steps of an Adam with two groups and a state entry ``note`` tied to no
+    parameter (added last), ``optim_state_dict`` under FULL given that optimizer's dict keyed by
+    the model's parameter names (``optim_state_dict=``, as a named optimizer saves; ``head``'s
+    names are already FQNs and come before ``note``) gives the unsharded optimizer's state under
+    the FQNs and ``note`` unchanged: every entry after a plain parameter's is still read."""
+    fsdp = ctx.impl.ns.FullyShardedDataParallel
+    ctx.seed(0)
+    oracle = InnerHeadNet().to(ctx.device)
+    model = copy.deepcopy(oracle)
+    model.inner = ctx.impl.shard(model.inner, ctx, use_orig_params=orig_params)
+    oopt = CountingAdam(_groups(oracle.named_parameters()))
+    opt = CountingAdam(_groups(model.named_parameters()))
+    for step in range(STEPS):
+        _step(ctx, oracle, oopt, step)
+        _step(ctx, model, opt, step)
+    opt.state["note"] = NOTE.clone()
+    name_of = {p: n for n, p in model.named_parameters()}
+    order = [name_of[p] for g in opt.param_groups for p in g["params"]]
+    own = opt.state_dict()
+    state = {(order[k] if isinstance(k, int) else k): v for k, v in own["state"].items()}
+    assert list(state)[-1] == "note" and "head.weight" in state, (
+        f"{ctx.where()} precondition: named state keys {list(state)}"
+    )
+    groups = [dict(g, params=[order[i] for i in g["params"]]) for g in own["param_groups"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning naming 'note' (S41's check asserts it)
+        with _context(ctx, model, "full", offload=False):
+            osd = fsdp.optim_state_dict(
+                model, opt, optim_state_dict={"state": state, "param_groups": groups}
+            )
+    note = osd["state"].pop("note", None)
+    assert torch.is_tensor(note) and torch.equal(note, NOTE), (
+        f"{ctx.where()} state entry 'note' {note!r}, expected {NOTE} unchanged (keys "
+        f"{sorted(osd['state'])})"
+    )
+    _assert_osd(ctx, osd, oracle, oopt, True, "optim_state_dict of a named dict, plain root")

@@ -1,6 +1,6 @@
 """Area "wrap", the modules kept out of mixed precision (batch norm by default): what the helper
 FSDP1's auto-wrap calls does to them (``_override_module_mixed_precision``, W19), and what their
-own units compute in under a bf16 policy (W11).
+own units compute in under a bf16 policy (W11), also after an ignored module (W27).
 
 Expected dtypes and kwargs come from the rules; the values of a cast forward come from the same
 module run in fp32 before any hook was attached.
@@ -108,20 +108,40 @@ class _GradDtypes(nn.Module):
         return self.lin2(torch.relu(self.bn(self.lin1(x))))
 
 
+class _SpareBeforeNorm(_GradDtypes):
+    """``_GradDtypes`` with an unused ``spare`` Linear(2, 2) registered between ``lin1`` and
+    ``bn``, so ``modules()`` meets it before the batch norm."""
+
+    def __init__(self):
+        super().__init__()
+        bn, lin2 = self.bn, self.lin2
+        del self.bn, self.lin2
+        self.spare = nn.Linear(2, 2)
+        self.bn, self.lin2 = bn, lin2
+
+
 @check(
     area="wrap",
     requires={base.AUTO_WRAP, base.FSDP1_API, base.MIXED_PRECISION, base.FLAT_PARAM},
-    cases={"module-policy": {"never": False}, "never-policy": {"never": True}},
+    cases={
+        "module-policy": {"never": False},
+        "never-policy": {"never": True},
+        "ignored-before-norm": {"never": False, "ignored": True},
+    },
 )
-def fsdp1_batch_norm_unit_full_precision(ctx, never):
-    """W11 with MixedPrecision(param_dtype=bfloat16) and an auto_wrap_policy (one wrapping each
-    Linear, or one that never wraps): the batch norm's own unit runs in full precision: its weight
-    is fp32 in forward and the gradient it gets is fp32, while the Linear weights compute and get
+def fsdp1_batch_norm_unit_full_precision(ctx, never, ignored=False):
+    """W11/W27: with MixedPrecision(param_dtype=bfloat16) and an auto_wrap_policy (one wrapping
+    each Linear, or one that never wraps): the batch norm's own unit runs in full precision: its
+    weight is fp32 in forward and the gradient it gets is fp32, while the Linear weights compute and get
     gradients in bf16; after backward every unit's sharded flat parameter and its gradient are
-    fp32, the batch norm's unit included."""
+    fp32, the batch norm's unit included. W27 (case ignored-before-norm): the same when an
+    ignored module (``ignored_modules=[spare]``, an unused Linear registered between ``lin1``
+    and ``bn``) comes before the batch norm in ``modules()`` order: the modules after an ignored
+    one still get the batch-norm override."""
     ns = ctx.impl.ns
     ctx.seed(0)
-    model = _GradDtypes()
+    model = _SpareBeforeNorm() if ignored else _GradDtypes()
+    extra = {"ignored_modules": [model.spare]} if ignored else {}
     policy = never_wrap if never else ns.wrap.ModuleWrapPolicy({nn.Linear})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -130,6 +150,7 @@ def fsdp1_batch_norm_unit_full_precision(ctx, never):
             auto_wrap_policy=policy,
             mixed_precision=ns.MixedPrecision(param_dtype=BF16),
             device_id=device_id(ctx),
+            **extra,
         )
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(ctx.rank), device="cpu")
     wrapped(x.to(ctx.device)).float().sum().backward()
