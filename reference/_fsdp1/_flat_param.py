@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,25 @@ from reference._fsdp1._flat_layout import (
 logger = logging.getLogger(__name__)
 
 FLAT_PARAM = "_flat_param"
+
+# A debug knob read when a handle is built: "1" turns off the writeback of original parameters
+# whose storage the user replaced (see writeback_replaced_data). Using it warns once per process.
+SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
+_warned_skip_writeback = False
+
+
+def _skip_writeback_from_env() -> bool:
+    global _warned_skip_writeback
+    if os.environ.get(SKIP_WRITEBACK_CHECK, "") != "1":
+        return False
+    if not _warned_skip_writeback:
+        _warned_skip_writeback = True
+        logger.warning(
+            "%s=1: FSDP does not write back original parameters or gradients whose storage "
+            "was replaced; such changes are silently lost.",
+            SKIP_WRITEBACK_CHECK,
+        )
+    return True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,6 +167,7 @@ class FlatParamHandle(FlatGradHandling):
         self._fully_sharded_module = fully_sharded_module
         # Read once, at construction (as upstream): INFO logs each post-backward (R120).
         self._debug_level = dist.get_debug_level()
+        self._skip_writeback = _skip_writeback_from_env()
         # The original parameters' names from the root, set by the root's lazy init.
         self._root_fqns: list[str] | None = None
         self._orig_param_dtype = params[0].dtype
@@ -284,8 +305,9 @@ class FlatParamHandle(FlatGradHandling):
         """use_orig_params=True, before a forward: an original parameter whose ``.data`` the user
         replaced (its storage is no longer the flat parameter's) has its values copied into the
         flat parameter at its place, and the views are put back (upstream's writeback rule). A
-        shared name no longer holding its primary's parameter is refused (R93)."""
-        if not self._use_orig_params:
+        shared name no longer holding its primary's parameter is refused (R93). Nothing of this
+        happens under ``FSDP_SKIP_WRITEBACK_CHECK=1`` (R121)."""
+        if not self._use_orig_params or self._skip_writeback:
             return
         fp = self.flat_param
         for s in fp._shared_param_infos:

@@ -14,7 +14,10 @@ walked until Python's recursion limit.
 The same walk finds a unit's forward *inputs* that need grad, which the unit routes through its
 post-backward identity, and puts the routed tensors back in their places: each container on the
 way is rebuilt as its own type (a named tuple from its fields, a dataclass instance with
-``dataclasses.replace``), and a container in which nothing changed is kept as it is.
+``dataclasses.replace``), and a container in which nothing changed is kept as it is. A list or
+tuple subclass whose constructor does not take one list of items becomes its base type (a plain
+list or tuple) with the new items; a dataclass that ``dataclasses.replace`` cannot rebuild (its
+own ``__init__`` refuses the fields) is refused with TypeError naming it.
 """
 
 from __future__ import annotations
@@ -83,13 +86,22 @@ def replace_grad_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
             return type(obj)(*done)
         if isinstance(obj, (list, tuple)):
-            return type(obj)(done)
+            try:
+                return type(obj)(done)
+            except TypeError:  # a subclass not built from one list: its base type instead
+                return list(done) if isinstance(obj, list) else tuple(done)
         changed = {
             f.name: value
             for f, value, old in zip(dataclasses.fields(obj), done, items)
             if value is not old
         }
-        return dataclasses.replace(obj, **changed)
+        try:
+            return dataclasses.replace(obj, **changed)
+        except TypeError as e:
+            raise TypeError(
+                f"cannot rebuild the dataclass {type(obj).__qualname__} of a forward input or "
+                f"output with dataclasses.replace(), which FSDP needs: {e}"
+            ) from None
 
     collect_grad_tensors(obj)  # the depth limit, before anything is consumed
     result = rebuild(obj)
