@@ -1,6 +1,7 @@
 """Area "fsdp1_runtime": the ``FSDP_*`` environment variables read when FSDP1 units are built:
 ``FSDP_USE_FULL_PREC_IN_EVAL`` (R54, R63), ``FSDP_USE_FAKE_ALL_GATHER`` /
-``FSDP_USE_FAKE_REDUCE`` (R60) and ``FSDP_USE_UNSAFE_SETATTR`` (R94); and the
+``FSDP_USE_FAKE_REDUCE`` (R60), ``FSDP_SKIP_WRITEBACK_CHECK`` (R121) and
+``FSDP_USE_UNSAFE_SETATTR`` (R94); and the
 ``TORCH_DISTRIBUTED_DEBUG=INFO`` log of each unit's post-backward (R120).
 
 [Note: what the environment knobs promise]
@@ -14,6 +15,10 @@
   (values undefined) but a forward and backward still complete with the usual shapes; the first
   unit built under it in a process warns, naming the variable (R60). See [Note: a warning given
   once per process].
+* ``FSDP_SKIP_WRITEBACK_CHECK=1`` with ``use_orig_params=True`` turns the writeback of R64 off:
+  an original parameter whose ``.data`` the user replaced is not copied into the flat parameter,
+  so the next forward computes with the values from before the replacement; the first unit
+  built under it in a process warns, naming the variable (R121, once per process as R60).
 * ``FSDP_USE_UNSAFE_SETATTR=1`` swaps parameters without calling a module's own
   ``__setattr__`` (without it the override is called) and changes nothing else: the names inside
   the forward and after a step, the output and the parameters after the step are as without it
@@ -28,7 +33,7 @@ logged it) cannot be asked of every construction: the suite runs many checks in 
 any order, so an earlier case may already have used it up. R60's check therefore listens from
 before the first construction under the variable in its process to the end of its own: on the
 first use of ``_warnings_naming`` a handler that keeps every record naming a fake-collective
-variable stays attached to the root logger and to the namespace's logger for the rest of the
+variable or ``FSDP_SKIP_WRITEBACK_CHECK`` (R121 does the same) stays attached to the root logger and to the namespace's logger for the rest of the
 process (``torch.distributed.fsdp`` keeps its records to itself), and each case asserts that
 this process has by then seen a warning naming its variable, as a ``logging`` record at WARNING or
 above or as a ``warnings.warn`` caught around its construction. This holds in every order because
@@ -52,6 +57,7 @@ from conformance.adapters import base
 from conformance.checks._shared.fsdp1_setup import REQUIRES, _global_batch, _x
 from conformance.checks._shared.oracle import FP32, B, assert_close
 from conformance.checks._shared.sd_models import InnerHeadNet
+from conformance.checks.fsdp1.summon_full_params import TwoUnits, visible
 from conformance.checks.fsdp1.training import assert_orig_param_grads, assert_params_equal_oracle
 from conformance.registry import check
 
@@ -286,9 +292,14 @@ FAKE_CASES = {
 }
 
 
+SKIP_WRITEBACK = "FSDP_SKIP_WRITEBACK_CHECK"
+# The variables whose warning upstream gives once per process.
+ONCE_PER_PROCESS = (*(case["var"] for case in FAKE_CASES.values()), SKIP_WRITEBACK)
+
+
 class _FakeKnobWarnings(logging.Handler):
-    """Keeps the message of every record at WARNING or above that names a fake-collective
-    variable (see [Note: a warning given once per process])."""
+    """Keeps the message of every record at WARNING or above that names a variable of
+    ``ONCE_PER_PROCESS`` (see [Note: a warning given once per process])."""
 
     def __init__(self):
         super().__init__(level=logging.WARNING)
@@ -296,7 +307,7 @@ class _FakeKnobWarnings(logging.Handler):
 
     def emit(self, record):
         text = record.getMessage()
-        if any(case["var"] in text for case in FAKE_CASES.values()):
+        if any(var in text for var in ONCE_PER_PROCESS):
             self.messages.append(text)
 
 
@@ -352,6 +363,45 @@ def fake_collectives_knob(ctx, var):
             f"{ctx.where()} {var}=1: flat gradient of {fqns} is "
             f"{None if grad is None else tuple(grad.shape)}, expected {tuple(shard.shape)}"
         )
+
+
+# ------------------------------------------------------------------------------ R121
+@check(area="fsdp1_runtime", requires=REQUIRES, world_sizes=(1, 2))
+def skip_writeback_check_knob(ctx):
+    """R121: ``TwoUnits`` wrapped (``inner`` its own unit, ``use_orig_params=True``) with
+    ``FSDP_SKIP_WRITEBACK_CHECK=1`` in the environment (restored right after construction, where
+    the units read it): by the end of the construction this process has warned naming the
+    variable (once per process, as R60); ``head.weight.data`` then replaced outside forward by a
+    tensor of its sharded shape holding 0.5 is not written back: the next forward (no_grad)
+    equals the unsharded model with its original ``head.weight``, not the one holding 0.5."""
+    _warnings_naming(ctx, SKIP_WRITEBACK)  # listening before the construction
+    ctx.seed(0)
+    oracle = TwoUnits().to(ctx.device)
+    with _environment({SKIP_WRITEBACK: "1"}), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = ctx.impl.shard(
+            copy.deepcopy(oracle), ctx, plan=[("inner", {}), ("", {})], use_orig_params=True
+        )
+    _SEEN.messages += [str(w.message) for w in caught if SKIP_WRITEBACK in str(w.message)]
+    assert _warnings_naming(ctx, SKIP_WRITEBACK), (
+        f"{ctx.where()} {SKIP_WRITEBACK}=1: no warning naming it in this process by the end of "
+        "the construction (neither a logging record at WARNING or above nor a warnings.warn)"
+    )
+    p = visible(ctx, model)["head.weight"]
+    with torch.no_grad():
+        p.data = torch.full_like(p, 0.5)
+    x = _x(ctx, 5, 8)
+    with torch.no_grad():
+        out = model(x)
+        want = oracle(x)
+        oracle.head.weight.fill_(0.5)
+        written = oracle(x)
+    assert not torch.allclose(out, written), (
+        f"{ctx.where()} {SKIP_WRITEBACK}=1: the forward used the replaced head.weight (0.5s)"
+    )
+    assert_close(
+        ctx, "forward after head.weight.data = 0.5s, not written back", out, want, FP32["loss"]
+    )
 
 
 # ------------------------------------------------------------------------------ R120
