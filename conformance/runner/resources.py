@@ -15,7 +15,15 @@ must be given back when the check ends, or a long run grows without bound.
   collective is in flight on them; destroying is local, and every rank destroys the same groups,
   so the names of later groups stay in step across ranks. The default group is never touched, and
   neither are the groups of the meshes the harness caches for reuse (``conformance.context``: one
-  mesh per shape, bounded), which later checks keep using.
+  mesh per shape, bounded), which later checks keep using, nor the groups named by their ranks
+  outside a mesh (``new_group(..., use_local_synchronization=True)``, e.g. FSDP2's
+  ``set_separate_reduce_scatter_group``): c10d hashes such a name from the ranks and the number of
+  live groups, so once the group is destroyed the next group of the same ranks gets the same
+  name, and gloo's rendezvous for it reads the destroyed group's addresses from the store (the
+  keys stay): a rank that gets there first connects to a closed socket and the group never forms
+  ("timed out connecting ... Connection refused"; torch 2.13, seen when a second check set a
+  separate reduce-scatter group). Kept alive, the next one gets a new name and forms. Few checks
+  make such groups, and a worker that holds too many threads is recycled anyway (below).
 * A destroyed group's threads end only when its last Python reference goes. Meshes hold their
   groups, objects a check built (an FSDP module and its state) often sit in reference cycles, and
   DTensor's sharding caches keep the first mesh of each shape they saw (their keys compare meshes
@@ -83,6 +91,14 @@ def _cached_mesh_group_names() -> set[str]:
         names.update(getattr(mesh, "_pg_registry", {}))
         meshes.extend(getattr(mesh, "_flatten_mapping", {}).values())
     return names
+
+
+def _named_by_ranks(pg, names) -> bool:
+    """Whether c10d named ``pg`` by a hash of its ranks (``use_local_synchronization=True``; a
+    counter names the others) outside a ``DeviceMesh`` (see [Note: per-check cleanup])."""
+    name = names.get(pg, "")
+    hashed = len(name) == 40 and all(c in "0123456789abcdef" for c in name)
+    return hashed and not str(getattr(pg, "group_desc", "")).startswith("mesh")
 
 
 def _clear_mesh_caches() -> None:
@@ -193,7 +209,11 @@ class Ledger:
 
         keep = _cached_mesh_group_names()
         names = _world().pg_names
-        fresh = [pg for pg in live_groups() if pg not in self._before and names[pg] not in keep]
+        fresh = [
+            pg
+            for pg in live_groups()
+            if pg not in self._before and names[pg] not in keep and not _named_by_ranks(pg, names)
+        ]
         for pg in reversed(fresh):
             try:
                 dist.destroy_process_group(pg)

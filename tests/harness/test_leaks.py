@@ -77,6 +77,16 @@ def test_group_building_checks_leave_counts_flat(group):
     assert group.pids() == pids and group.spawn_count == 1, "the group was restarted"
 
 
+def test_a_group_named_by_its_ranks_forms_again_after_the_release(group):
+    # [Note: per-check cleanup]: destroying such a group between checks would give the next one
+    # its name, and gloo would rendezvous with the destroyed group's addresses (a hang)
+    for _ in range(3):
+        sizes = group.run(Task(f"{CHURN}:local_sync_group", None, {}, timeout=30))
+        bad = [r for r in sizes if not r.ok]
+        assert not bad, f"rank {bad[0].rank}: {bad[0].status}\n{bad[0].detail[-800:]}"
+        assert [r.value for r in sizes] == [float(WORLD_SIZE)] * WORLD_SIZE
+
+
 def test_checkpoint_save_jobs_leave_counts_flat():
     """``state_dict::reshard_dcp`` forks a save job (ranks of their own, from a server the rank
     starts once): after each job the rank holds the threads, descriptors, child processes and

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,3 +137,12 @@ def all_reduce_ranks(ctx) -> float:
     value = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(value)
     return value.item()
+
+
+def local_sync_group(ctx) -> float:
+    """A group named by a hash of its ranks (``use_local_synchronization=True``, as FSDP2's
+    separate reduce-scatter group), rank 0 getting there first; returns its all-reduced size."""
+    if ctx.rank:
+        time.sleep(0.3)
+    group = dist.new_group(list(range(ctx.world_size)), use_local_synchronization=True)
+    return _sum_over(group)
