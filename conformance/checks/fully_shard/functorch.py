@@ -93,7 +93,15 @@ def _train_step(ctx, model, oracle):
         )
 
 
-@check(area="training", requires=REQUIRES, cases={k: {"name": k} for k in TRANSFORMS})
+# world sizes 1 and 2: every rank transforms the same inputs, so what a larger group adds (uneven
+# rows, more peers) is the sharding the training checks already cover; ws 2 has the all-gathers
+# and the reshards the transforms must not see. ws 3 and 4 cost the matrix about 3 s.
+@check(
+    area="training",
+    requires=REQUIRES,
+    cases={k: {"name": k} for k in TRANSFORMS},
+    world_sizes=(1, 2),
+)
 def functorch_transforms(ctx, name):
     """P118: with ``Linear`` units (``reshard_after_forward=True``) under a root unit, a
     ``torch.func`` transform of the model (``jvp`` of the forward; ``vmap`` over an extra batch

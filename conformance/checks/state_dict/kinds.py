@@ -97,10 +97,10 @@ def _trained(ctx, kind, **config):
     return ref, expected_state_dict(ref), model, sd
 
 
-# timeout 5: a passing case takes well under a second (0.3 s at ws 4 on 2 cores, 1.9 s at load 7);
+# timeout 3: a passing case takes well under a second (0.3 s at ws 4 on 2 cores, 1.9 s at load 7);
 # the upstream FSDP1 rank0_only + offload_to_cpu case hangs (expected failure), and each second of
 # its wait is paid once per world size 2-4.
-@check(area=AREA, requires={base.TRAINING}, cases=FULL_CASES, timeout=5)
+@check(area=AREA, requires={base.TRAINING}, cases=FULL_CASES, timeout=3)
 def full_values(ctx, kind, config):
     """S2-S4: after two training steps the full state dict equals the unwrapped model trained on
     the global batch; plain cloned tensors (they keep their values after the model trains on); on
