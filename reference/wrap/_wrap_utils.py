@@ -145,9 +145,7 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], nn.Modul
 
     def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
         for child_name, child in module.named_children():
-            if child is None:  # only an override of named_children() yields one: no child
-                continue
-            if child not in visited:
+            if child is not None and child not in visited:  # None: an override's empty slot
                 visited.add(child)
                 visit(child, child_name, module)
         replacement = fn(module)
@@ -407,12 +405,11 @@ def _walk_unit(
     module: nn.Module, name: str, walked: set[nn.Module]
 ) -> Iterator[tuple[str, nn.Module]]:
     """``(fqn, module)`` for a unit's subtree, depth-first in registration order, not entering
-    ``walked`` modules (earlier units' subtrees); marks what it yields walked."""
-    if module in walked:
+    ``walked`` modules (earlier units' subtrees) nor a ``None`` child (an override of
+    ``named_children()`` may yield one); marks what it yields walked."""
+    if module is None or module in walked:
         return
     walked.add(module)
     yield name, module
     for child_name, child in module.named_children():
-        if child is None:  # only an override of named_children() yields one: no child
-            continue
         yield from _walk_unit(child, f"{name}.{child_name}" if name else child_name, walked)
