@@ -149,3 +149,37 @@ def no_sync_grad_stays_on_unsharded_param(ctx, case):
         if isinstance(module, ctx.impl.ns.FSDPModule):
             module.reshard()
     _assert_reduced(ctx, model, oracle, tol, f"after the synced backward and reshard() ({case})")
+
+
+@check(area="training", requires=REQUIRES | {base.MIXED_PRECISION}, world_sizes=(1, 2))
+def no_sync_accumulates_in_reduce_dtype(ctx):
+    """P20: under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` the gradients of
+    ``set_requires_gradient_sync(False)`` micro-batches are accumulated in fp32: a ``fully_shard``
+    Linear(4, 1, bias=False), every rank fed ``full((1, 4), 1.0)`` without sync, then
+    ``full((1, 4), 2^-8)`` synced (loss ``out.sum()``; each bf16 gradient exact): the sharded
+    gradient equals the unsharded fp32 model's mean gradient summed over both, exactly
+    1 + 2^-8 (a bf16 accumulation would round it to 1)."""
+    ctx.seed(0)
+    model = torch.nn.Linear(4, 1, bias=False).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    policy = ctx.impl.ns.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    for micro, value in enumerate((1.0, 2.0**-8)):
+        x = torch.full((1, 4), value, device=ctx.device)
+        model.set_requires_gradient_sync(micro == 1)
+        model(x).float().sum().backward()
+        (oracle(x.repeat(ctx.world_size, 1)).sum() / ctx.world_size).backward()
+    expected = oracle.weight.grad.cpu()
+    assert torch.equal(expected, torch.full((1, 4), 1.0 + 2.0**-8)), "oracle: not 1 + 2^-8"
+    grad = model.weight.grad
+    assert grad is not None and grad.dtype == torch.float32, (
+        f"{ctx.where()} sharded gradient {None if grad is None else grad.dtype}, expected float32"
+    )
+    full = grad.full_tensor().cpu()
+    assert torch.equal(full, expected), (
+        f"{ctx.where()} gradient summed over a no-sync and a synced micro-batch is "
+        f"{full.flatten().tolist()}, expected exactly 1 + 2^-8 = {1.0 + 2.0**-8} (accumulated in "
+        f"the reduce dtype fp32, not in bf16)"
+    )

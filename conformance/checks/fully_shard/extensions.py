@@ -16,7 +16,8 @@ refused in backward (P129).
 * FSDP all-gathers every input (each one is the ranks' inputs concatenated in rank order) and calls
   the post hook with ``(outputs, metadata, param_dtype)``: the first time with ``out=None`` (it
   returns ``(unsharded, tensors_to_free)``), every later time with ``out=`` the unsharded parameter
-  built from that first result, whose storage the new all-gather refilled.
+  built from that first result, whose storage the new all-gather refilled. ``param_dtype`` is the
+  policy's ``param_dtype``, else the parameter's own dtype, on every call.
 * The module computes with the unsharded tensor, so its forward equals the unsharded model's.
 The subclass (``_subclasses.PairTensor``) carries two tensors ``a`` (values) and ``b == -a``, so the
 check sees both gathered inputs; expected values are the original tensor and its negation.
@@ -82,8 +83,9 @@ def _rows(ctx, uneven):
 def all_gather_through_hooks(ctx, name):
     """Both gathered inputs equal the original (and its negation) in full, trimmed to the global size;
     the pre hook gets the shard mesh (and, with 5 arguments, the global size/stride and the owning
-    module); a later all-gather passes ``out=`` the unsharded parameter of the first; forward uses
-    the unsharded values."""
+    module); a later all-gather passes ``out=`` the unsharded parameter of the first; every post
+    hook call, the ``out=`` ones included, gets ``param_dtype`` float32 (no policy: the parameter's
+    own dtype); forward uses the unsharded values."""
     spec = CASES[name]
     rows = _rows(ctx, spec["uneven"])
     module = PairLinear(rows, spec["cls"]).to(ctx.device)
@@ -130,6 +132,11 @@ def all_gather_through_hooks(ctx, name):
         )
         assert entry["b"] is None or torch.equal(entry["b"].cpu(), -original), (
             f"{ctx.where()} {name}: all-gather {i}: the second gathered input differs from -original"
+        )
+        assert entry["param_dtype"] == torch.float32, (
+            f"{ctx.where()} {name}: post hook call {i} (out={'None' if i == 0 else 'given'}) got "
+            f"param_dtype={entry['param_dtype']}, expected torch.float32 (no policy: the "
+            f"parameter's own dtype)"
         )
     assert post[0]["out"] is None, (
         f"{ctx.where()} {name}: first post hook call got out={post[0]['out']!r}"

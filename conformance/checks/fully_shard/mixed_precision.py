@@ -1,4 +1,5 @@
-"""Area "mixed_precision": the dtype rules of ``MixedPrecisionPolicy`` (P5).
+"""Area "mixed_precision": the dtype rules of ``MixedPrecisionPolicy`` (P5), and an fp16 reduce whose
+pre-divide must not underflow (P64; its overflow twin is ``reduce_overflow.py``).
 
 [Note: the dtype rules]
 Clamping: ``param_dtype`` is dropped (None) when it equals the parameter's original dtype or the
@@ -19,7 +20,10 @@ unit, so the checks that call it require ``auto-wrap``.
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch import nn
 
 from conformance.adapters import base
 from conformance.checks._shared.collectives import observe_reduce_scatter
@@ -194,3 +198,31 @@ def _net_with_bf16_children(ctx):
             mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16),
         )
     return model
+
+
+@check(
+    area="mixed_precision",
+    requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.MIXED_PRECISION},
+    world_sizes=(2,),
+)
+def fp16_reduce_no_underflow(ctx):
+    """P64: the fp16 pre-divide is no larger than needed: a ``fully_shard`` Linear(4, 4,
+    bias=False) with ``reduce_dtype=torch.float16``, each rank fed ``full((2, 4), 2^-24)`` (its
+    gradient 2^-23 per element, the fp16 subnormal next to the smallest): the sharded gradient is
+    exactly the unsharded model's mean gradient on the global batch, 2^-23 (at world size 2 a
+    pre-divide of 2 keeps 2^-24, representable; one of 4 would round 2^-25 to 0)."""
+    ctx.seed(0)
+    model = nn.Linear(4, 4, bias=False).to(ctx.device)
+    oracle = copy.deepcopy(model)
+    policy = ctx.impl.ns.MixedPrecisionPolicy(reduce_dtype=FP16)
+    ctx.impl.ns.fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    x = torch.full((2, 4), 2.0**-24, device=ctx.device)
+    model(x).sum().backward()
+    (oracle(x.repeat(ctx.world_size, 1)).sum() / ctx.world_size).backward()
+    expected = oracle.weight.grad.cpu()
+    assert torch.equal(expected, torch.full((4, 4), 2.0**-23)), "oracle: not 2^-23"
+    grad = model.weight.grad.full_tensor().float().cpu()
+    assert torch.equal(grad, expected), (
+        f"{ctx.where()} the fp16-reduced gradient is {grad.flatten()[:4].tolist()}, expected "
+        f"exactly 2^-23 ({2.0**-23:.6g}) everywhere: the pre-divide underflowed fp16"
+    )
