@@ -334,13 +334,15 @@ def _local_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) -> N
 
 def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) -> None:
     """Turn each SHARDED value into the full parameter: pad the local chunk to
-    ``ceil(d0 / world_size)`` rows, all-gather, keep the first ``d0`` rows."""
+    ``ceil(d0 / world_size)`` rows, all-gather, keep the first ``d0`` rows. A rank holds at most
+    one local shard of each value (the root's load checks refuse others first; a load through a
+    non-root unit meets this refusal instead)."""
     for fqn, _ in _param_fqns(state):
         key = wrapped_prefix + fqn
         if key not in state_dict:
             _warn(f"Did not find param with FQN {key}, skipping it.")
             continue
-        value = state_dict.pop(key)
+        value = state_dict[key]
         if state._state_dict_config._use_dtensor:
             state_dict[key] = value.full_tensor().to(state.compute_device)
             continue
@@ -350,6 +352,11 @@ def _sharded_pre_load(state, state_dict: dict[str, Any], wrapped_prefix: str) ->
             continue
         chunk_numel = math.ceil(shape[0] / state.world_size) * shape.numel() // shape[0]
         shards = value.local_shards()
+        if len(shards) > 1:
+            raise RuntimeError(
+                f"SHARDED_STATE_DICT load: {key} holds {len(shards)} local shards on rank "
+                f"{state.rank}; a rank must hold at most one (reshard the checkpoint first)"
+            )
         if shards:
             local = shards[0].tensor.reshape(-1).to(state.compute_device)
             local = F.pad(local, [0, chunk_numel - local.numel()])
