@@ -198,17 +198,15 @@ def _backward(ctx, loss, what):
         ) from exc
 
 
-@check(area="training", requires=REQUIRES)
-def recompute_unit(ctx):
-    """P85: a unit ``l0`` run inside non-reentrant ``checkpoint`` under a root unit (no mixed
-    precision) is recomputed in backward from unsharded parameters (it runs twice per step,
-    seeing fp32 inputs and weights); over 2 SGD steps the losses, sharded gradients and parameters
-    equal the unsharded model's."""
+def _two_sgd_steps(ctx, module, unit, after_step=None):
+    """``module.<unit>`` and ``module`` sharded as units (seed 0), then two SGD steps (lr 0.1)
+    against the unsharded copy, compared by ``backward_and_compare``; ``after_step(model, step)``
+    runs after each step."""
     ns = ctx.impl.ns
     ctx.seed(0)
-    model = Recomputed().to(ctx.device)
+    model = module.to(ctx.device)
     oracle = copy.deepcopy(model)
-    ns.fully_shard(model.l0, mesh=ctx.mesh)
+    ns.fully_shard(getattr(model, unit), mesh=ctx.mesh)
     ns.fully_shard(model, mesh=ctx.mesh)
     opts = (
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -217,13 +215,27 @@ def recompute_unit(ctx):
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     for step in range(2):
         x, y = _batch(ctx, step)
-        model.l0.seen.clear()
         backward_and_compare(ctx, model, oracle, (model(x[mine]), oracle(x), y, mine), opts, step)
-        fp32 = (torch.float32, torch.float32)
+        if after_step is not None:
+            after_step(model, step)
+
+
+@check(area="training", requires=REQUIRES)
+def recompute_unit(ctx):
+    """P85: a unit ``l0`` run inside non-reentrant ``checkpoint`` under a root unit (no mixed
+    precision) is recomputed in backward from unsharded parameters (it runs twice per step,
+    seeing fp32 inputs and weights); over 2 SGD steps the losses, sharded gradients and parameters
+    equal the unsharded model's."""
+    fp32 = (torch.float32, torch.float32)
+
+    def ran_twice_in_fp32(model, step):
         assert model.l0.seen == [fp32, fp32], (
             f"{ctx.where()} step {step}: l0 ran with (input, weight) dtypes {model.l0.seen}; "
             "expected the forward and its recomputation, both fp32"
         )
+        model.l0.seen.clear()
+
+    _two_sgd_steps(ctx, Recomputed(), "l0", after_step=ran_twice_in_fp32)
 
 
 def _compare_grads(ctx, model, oracle, what, tol):
@@ -305,20 +317,7 @@ def recompute_after_unit_backward(ctx):
     any gradient reaches ``u``'s output of that use, so ``u`` must be unsharded again for that
     recomputation. Over 2 SGD steps the losses, sharded gradients (``u``'s the sum of both uses')
     and parameters equal the unsharded model's (``backward_and_compare``)."""
-    ns = ctx.impl.ns
-    ctx.seed(0)
-    model = TwiceRecomputed().to(ctx.device)
-    oracle = copy.deepcopy(model)
-    ns.fully_shard(model.u, mesh=ctx.mesh)
-    ns.fully_shard(model, mesh=ctx.mesh)
-    opts = (
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        torch.optim.SGD(oracle.parameters(), lr=0.1),
-    )
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    for step in range(2):
-        x, y = _batch(ctx, step)
-        backward_and_compare(ctx, model, oracle, (model(x[mine]), oracle(x), y, mine), opts, step)
+    _two_sgd_steps(ctx, TwiceRecomputed(), "u")
 
 
 @check(area="training", requires=REQUIRES | {base.MIXED_PRECISION})
