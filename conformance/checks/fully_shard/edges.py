@@ -78,6 +78,41 @@ class OnMesh(nn.Module):
         return self.out(torch.tanh(self.inp(x))).full_tensor()
 
 
+def dp_dims_pair(ctx, mesh, dims: dict):
+    """(oracle ``Pair`` (seed 0), the same ``Pair`` on ``mesh`` with ``inp``, ``out`` and the root
+    each a ``fully_shard`` unit under ``DataParallelMeshDims(**dims)``)."""
+    ctx.seed(0)
+    oracle = Pair().to(ctx.device)
+    model = OnMesh(copy.deepcopy(oracle), mesh, None)
+    for unit in (model.inp, model.out, model):
+        ctx.impl.ns.fully_shard(
+            unit, mesh=mesh, dp_mesh_dims=ctx.impl.ns.DataParallelMeshDims(**dims)
+        )
+    return oracle, model
+
+
+def assert_dp_grads(ctx, model, oracle, seed: int, part, what: str) -> None:
+    """A forward/backward of ``model`` on this rank's ``B`` samples of a global batch (drawn from
+    ``seed``) and of ``oracle`` on all of it: every gradient is a DTensor whose local tensor is
+    ``part`` of the oracle's (the mean over the ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    ws, rank = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
+    model(x[rank * B : (rank + 1) * B]).square().mean().backward()
+    oracle(x).square().mean().backward()
+    for fqn, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor), f"{ctx.where()} {fqn}.grad is {param.grad!r}"
+        assert_close(
+            ctx,
+            f"{fqn} gradient {what}",
+            param.grad.to_local(),
+            part(oracle.get_parameter(fqn).grad),
+            FP32["grad"],
+        )
+
+
 def _index(coords, sizes, dims):
     """Row-major index of ``coords`` over ``dims`` (and the product of their sizes)."""
     index, size = 0, 1

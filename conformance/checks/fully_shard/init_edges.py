@@ -49,7 +49,7 @@ from conformance.checks._shared.oracle import (
     step_and_compare,
 )
 from conformance.checks._shared.rows import chunk_of
-from conformance.checks.fully_shard.edges import OnMesh, Pair
+from conformance.checks.fully_shard.edges import OnMesh, Pair, assert_dp_grads, dp_dims_pair
 from conformance.registry import check
 
 PUBLIC_NAMES = (
@@ -110,7 +110,6 @@ def dp_mesh_dims_layouts(ctx, name):
     batch (averaged over the ranks), and an SGD step gives its parameters."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    ns = ctx.impl.ns
     names, dims = MESH_DIMS_CASES[name]
     ws, rank = ctx.world_size, ctx.rank
     mesh = ctx.make_mesh((ws,) + (1,) * (len(names) - 1), names)
@@ -120,11 +119,7 @@ def dp_mesh_dims_layouts(ctx, name):
     def part(full):
         return chunk_of(full, 0, ws, rank) if sharded else full
 
-    ctx.seed(0)
-    oracle = Pair().to(ctx.device)
-    model = OnMesh(copy.deepcopy(oracle), mesh, None)
-    for unit in (model.inp, model.out, model):
-        ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=ns.DataParallelMeshDims(**dims))
+    oracle, model = dp_dims_pair(ctx, mesh, dims)
     for fqn, param in model.named_parameters():
         sizes = tuple(param.device_mesh.shape) if isinstance(param, DTensor) else None
         assert sizes == (ws,) and tuple(param.placements) == want, (
@@ -138,19 +133,7 @@ def dp_mesh_dims_layouts(ctx, name):
             part(oracle.get_parameter(fqn)),
             FP32["param"],
         )
-    g = torch.Generator().manual_seed(91)
-    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
-    model(x[rank * B : (rank + 1) * B]).square().mean().backward()
-    oracle(x).square().mean().backward()
-    for fqn, param in model.named_parameters():
-        assert isinstance(param.grad, DTensor), f"{ctx.where()} {fqn}.grad is {param.grad!r}"
-        assert_close(
-            ctx,
-            f"{fqn} gradient (averaged over {ws} ranks)",
-            param.grad.to_local(),
-            part(oracle.get_parameter(fqn).grad),
-            FP32["grad"],
-        )
+    assert_dp_grads(ctx, model, oracle, 91, part, f"(averaged over {ws} ranks)")
     opts = [make_optimizer("sgd", model.parameters()), make_optimizer("sgd", oracle.parameters())]
     step_and_compare(ctx, model, oracle, opts, 0)
 

@@ -49,7 +49,7 @@ from conformance.checks._shared.oracle import (
 )
 from conformance.checks._shared.rows import chunk_of
 from conformance.checks.fully_shard.bad_input import _assert_untouched, _snapshot
-from conformance.checks.fully_shard.edges import OnMesh, Pair
+from conformance.checks.fully_shard.edges import OnMesh, Pair, assert_dp_grads, dp_dims_pair
 from conformance.registry import check
 
 REQUIRES = {base.TRAINING, base.DTENSOR_PARAMS, base.FSDP2_API, base.FSDP2_DP_MESH_DIMS}
@@ -383,15 +383,9 @@ def replicate_only_refuses_shard_setters(ctx, name):
     accepted. The refusal leaves training intact: a forward/backward on this rank's samples gives
     every parameter (``Replicate()``, the whole tensor locally) the unsharded model's gradient on
     the global batch, averaged over the ranks."""
-    ns = ctx.impl.ns
     method, args, text = SHARD_GROUP_SETTERS[name]
-    ws, rank = ctx.world_size, ctx.rank
-    mesh = ctx.make_mesh((ws, 1), ("dp", "tp"))
-    ctx.seed(0)
-    oracle = Pair().to(ctx.device)
-    model = OnMesh(copy.deepcopy(oracle), mesh, None)
-    for unit in (model.inp, model.out, model):
-        ns.fully_shard(unit, mesh=mesh, dp_mesh_dims=ns.DataParallelMeshDims(replicate="dp"))
+    mesh = ctx.make_mesh((ctx.world_size, 1), ("dp", "tp"))
+    oracle, model = dp_dims_pair(ctx, mesh, {"replicate": "dp"})
     if method == "set_allocate_memory_from_process_group_for_comm":
         model.inp.set_allocate_memory_from_process_group_for_comm(False)  # no group needed
     call = f"inp.{method}{args!r}"
@@ -403,16 +397,4 @@ def replicate_only_refuses_shard_setters(ctx, name):
         raise AssertionError(
             f"{ctx.where()} {call} on a replicate-only unit was accepted; expected AssertionError"
         )
-    g = torch.Generator().manual_seed(93)
-    x = torch.randn(ws * B, 4, generator=g).to(ctx.device)
-    model(x[rank * B : (rank + 1) * B]).square().mean().backward()
-    oracle(x).square().mean().backward()
-    for fqn, param in model.named_parameters():
-        assert isinstance(param.grad, DTensor), f"{ctx.where()} {fqn}.grad is {param.grad!r}"
-        assert_close(
-            ctx,
-            f"{fqn} gradient after the refused {method}",
-            param.grad.to_local(),
-            oracle.get_parameter(fqn).grad,
-            FP32["grad"],
-        )
+    assert_dp_grads(ctx, model, oracle, 93, lambda full: full, f"after the refused {method}")
