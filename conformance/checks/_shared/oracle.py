@@ -267,6 +267,35 @@ def assert_sharded_grad(ctx, what: str, param, full_grad) -> None:
     assert_close(ctx, what, param.grad.to_local(), expected, FP32["grad"])
 
 
+def own_grads(model_name: str, oracle, x, y, ws: int, reduce: str) -> list[dict]:
+    """Each rank's gradient of its own ``B`` samples of the global batch ``(x, y)`` on a copy of
+    the unsharded ``oracle`` (per-sample losses ``reduce``d: "sum" or "mean"), by parameter name."""
+    grads = []
+    for r in range(ws):
+        copy_r = copy.deepcopy(oracle)
+        rows = slice(r * B, (r + 1) * B)
+        getattr(per_sample_loss(model_name, copy_r(x[rows]), y[rows]), reduce)().backward()
+        grads.append({n: p.grad for n, p in copy_r.named_parameters()})
+    return grads
+
+
+def assert_summed_then_divided(ctx, name: str, param, own: list[dict], f: float) -> None:
+    """Force-sum at world size 2: ``param``'s local gradient equals this rank's chunk of
+    ``(g0 + g1) / f`` bit for bit (``own``: each rank's gradient, :func:`own_grads`); two addends
+    have one order, and with an ``f`` that is no power of two dividing before the sum differs in
+    the last bit of some elements."""
+    full = (own[0][name] + own[1][name]) / f
+    expected = local_chunk(full, shard_dim(param), ctx.world_size, ctx.rank)
+    got = param.grad.to_local()
+    if not torch.equal(got, expected):
+        diff = (got - expected).abs().max().item()
+        raise AssertionError(
+            f"{ctx.where()} {name}: the sharded gradient with force-sum and divide factor {f:g} "
+            f"is not bit-equal to (g0 + g1) / {f:g}, the sum divided after it (max abs "
+            f"difference {diff:.3g}: divided before summing, or not by {f:g}?)"
+        )
+
+
 def step_and_compare(ctx, model, oracle, optimizers, step: int) -> None:
     """Step and zero every optimizer in ``optimizers`` (the sharded model's and the oracle's),
     then every sharded parameter's full value equals the oracle's (fp32 tolerance)."""

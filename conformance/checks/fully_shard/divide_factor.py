@@ -7,17 +7,17 @@ from __future__ import annotations
 import copy
 import warnings
 
-import torch
-
 from conformance.adapters import base
 from conformance.checks._shared.oracle import (
     FP32,
     MLP,
     B,
     assert_close,
+    assert_summed_then_divided,
     local_chunk,
     make_batch,
     named_unique,
+    own_grads,
     per_sample_loss,
     shard_dim,
 )
@@ -58,27 +58,13 @@ def reduce_scatter_divide_factor_alias(ctx):
     mine = slice(rank * B, (rank + 1) * B)
     per_sample_loss("mlp", model(x[mine]), y[mine]).sum().backward()
     if ws == 2:  # each rank's own gradient, summed in the one order two addends have, then / 3
-        own = []
-        for r in range(ws):
-            copy_r = copy.deepcopy(oracle)
-            per_sample_loss(
-                "mlp", copy_r(x[r * B : (r + 1) * B]), y[r * B : (r + 1) * B]
-            ).sum().backward()
-            own.append(dict(named_unique(copy_r)))
+        own = own_grads("mlp", oracle, x, y, ws, "sum")
     per_sample_loss("mlp", oracle(x), y).sum().backward()
     for name, param in named_unique(model):
         assert param.grad is not None, f"{ctx.where()} {name}: no sharded gradient after backward"
         dim = shard_dim(param)
         if ws == 2:
-            full = (own[0][name].grad + own[1][name].grad) / 3.0
-            expected = local_chunk(full, dim, ws, rank)
-            if not torch.equal(param.grad.to_local(), expected):
-                diff = (param.grad.to_local() - expected).abs().max().item()
-                raise AssertionError(
-                    f"{ctx.where()} {name}: gradient with set_reduce_scatter_divide_factor(3.0) "
-                    f"and force-sum is not bit-equal to (g0 + g1) / 3, the sum divided after it "
-                    f"(max abs difference {diff:.3g}: divided before summing, or not by 3?)"
-                )
+            assert_summed_then_divided(ctx, name, param, own, 3.0)
             continue
         assert_close(
             ctx,

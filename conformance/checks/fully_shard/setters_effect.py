@@ -33,8 +33,10 @@ from conformance.checks._shared.oracle import (
     B,
     assert_close,
     assert_sharded_grad,
+    assert_summed_then_divided,
     make_batch,
     make_optimizer,
+    own_grads,
     per_sample_loss,
     run_parity,
     shard_dim,
@@ -186,26 +188,13 @@ def force_sum_with_divide_factor(ctx, factor):
     per_sample_loss("mlp", model(x[mine]), y[mine]).mean().backward()
     exact = ctx.world_size == 2 and f == 3.0
     if exact:  # each rank's own gradient, summed in the one order two addends have, then / f
-        ranks = []
-        for r in range(ctx.world_size):
-            copy_r = copy.deepcopy(oracle)
-            rows = slice(r * B, (r + 1) * B)
-            per_sample_loss("mlp", copy_r(x[rows]), y[rows]).mean().backward()
-            ranks.append({n: p.grad for n, p in copy_r.named_parameters()})
+        own = own_grads("mlp", oracle, x, y, ctx.world_size, "mean")
     per_sample_loss("mlp", oracle(x), y).mean().backward()
     scale = ctx.world_size / f
     for name, param in model.named_parameters():
         dim = shard_dim(param)
         if exact:
-            full = (ranks[0][name] + ranks[1][name]) / f
-            expected = chunk_of(full, dim, ctx.world_size, ctx.rank)
-            if not torch.equal(param.grad.to_local(), expected):
-                diff = (param.grad.to_local() - expected).abs().max().item()
-                raise AssertionError(
-                    f"{ctx.where()} {name} sharded gradient with force-sum and divide factor "
-                    f"{f}: not bit-equal to (g0 + g1) / {f}, the sum divided after it (max abs "
-                    f"difference {diff:.3g}: divided before summing?)"
-                )
+            assert_summed_then_divided(ctx, name, param, own, f)
             continue
         expected = scale * chunk_of(oracle.get_parameter(name).grad, dim, ctx.world_size, ctx.rank)
         assert_close(
