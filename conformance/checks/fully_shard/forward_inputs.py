@@ -142,6 +142,20 @@ def _leaves(ctx, base_x, base_v):
     return x, vectors
 
 
+def _sgd_and_batch(ctx, model, oracle, seed: int):
+    """(SGD lr 0.1 of ``model``, of ``oracle``, the generator ``seed`` started, a global batch
+    ``gx`` (``ws * B`` rows of 5) and targets ``y`` (rows of 3) drawn from it, on the device); the
+    generator goes on to draw the inputs' other leaves."""
+    g = torch.Generator().manual_seed(seed)
+    n = ctx.world_size * B
+    gx, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+    opts = (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(oracle.parameters(), lr=0.1),
+    )
+    return (*opts, g, gx.to(ctx.device), y.to(ctx.device))
+
+
 @check(area="training", requires={base.FSDP2_API, base.DTENSOR_PARAMS, base.TRAINING})
 def pytree_inputs(ctx):
     """P83: a unit taking ``(x, Scaled(plain tensor, int), Pair(a, b), Shift(w, str),
@@ -156,12 +170,7 @@ def pytree_inputs(ctx):
     local = copy.deepcopy(model)  # this rank's samples: the inputs' gradients
     oracle = copy.deepcopy(model)  # the global batch: the parameters' gradients
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3183)
-    n = ctx.world_size * B
-    gx, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
-    gx, y = gx.to(ctx.device), y.to(ctx.device)
+    opt, oopt, g, gx, y = _sgd_and_batch(ctx, model, oracle, 3183)
     base_v = {k: torch.randn(5, generator=g).to(ctx.device) for k in VECTORS}
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
 
@@ -241,11 +250,7 @@ def unrebuildable_sequence_inputs(ctx):
     model = SpanUnit().to(ctx.device)
     local, oracle = copy.deepcopy(model), copy.deepcopy(model)
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3185)
-    n = ctx.world_size * B
-    gx, y = torch.randn(n, 5, generator=g).to(ctx.device), torch.randn(n, 3, generator=g)
+    opt, oopt, g, gx, y = _sgd_and_batch(ctx, model, oracle, 3185)
     names = ("lo", "hi", "a", "b")
     base_v = {k: torch.randn(5, generator=g).to(ctx.device) for k in names}
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
@@ -389,11 +394,7 @@ def deep_dataclass_chains(ctx):
     oracle = copy.deepcopy(model)
     ctx.impl.ns.fully_shard(model.inner, mesh=ctx.mesh, reshard_after_forward=True)
     ctx.impl.ns.fully_shard(model, mesh=ctx.mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    oopt = torch.optim.SGD(oracle.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3184)
-    n = ctx.world_size * B
-    gx, y = torch.randn(n, 5, generator=g).to(ctx.device), torch.randn(n, 3, generator=g)
+    opt, oopt, _, gx, y = _sgd_and_batch(ctx, model, oracle, 3184)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
     x = gx[mine].clone().requires_grad_(True)
     out = model(x)
