@@ -268,22 +268,28 @@ def recompute_unit_casts_inputs(ctx):
     oracle.cast = BF16
     ns.fully_shard(model.l0, mesh=ctx.mesh, mp_policy=ns.MixedPrecisionPolicy(param_dtype=BF16))
     ns.fully_shard(model, mesh=ctx.mesh)
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    x, y = _batch(ctx, 0)
-    out = model(x[mine])
-    oout = oracle(x)
-    assert out.dtype == BF16, f"{ctx.where()} output dtype {out.dtype}, expected bf16"
-    assert_close(ctx, "output", out, oout[mine], BF16_TOL["out"])
-    loss = ((out.float() - y[mine]) ** 2).mean()
-    oloss = ((oout.float() - y) ** 2).mean(dim=1)
-    assert_close(ctx, "loss", loss, oloss[mine].mean(), BF16_TOL["out"])
-    _backward(ctx, loss, "param_dtype=bf16")
+    _bf16_step(ctx, model, oracle, BF16, "param_dtype=bf16")
     assert model.l0.seen == [(BF16, BF16), (BF16, BF16)], (
         f"{ctx.where()} l0 ran with (input, weight) dtypes {model.l0.seen}; expected the forward "
         "and its recomputation, both with the fp32 input cast to bf16 and bf16 weights"
     )
+
+
+def _bf16_step(ctx, model, oracle, out_dtype, what: str) -> None:
+    """One forward/backward of ``model`` on this rank's samples against ``oracle`` (computing the
+    bf16 unit in bf16) on the global batch: the output has ``out_dtype`` and, with the loss and
+    the fp32 sharded gradients, equals the oracle's within bf16 tolerances."""
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    x, y = _batch(ctx, 0)
+    out, oout = model(x[mine]), oracle(x)
+    assert out.dtype == out_dtype, f"{ctx.where()} output dtype {out.dtype}, expected {out_dtype}"
+    assert_close(ctx, "output", out, oout[mine], BF16_TOL["out"])
+    loss = ((out.float() - y[mine]) ** 2).mean()
+    oloss = ((oout.float() - y) ** 2).mean(dim=1)
+    assert_close(ctx, "loss", loss, oloss[mine].mean(), BF16_TOL["out"])
+    _backward(ctx, loss, what)
     oloss.mean().backward()
-    _compare_grads(ctx, model, oracle, "param_dtype=bf16", BF16_TOL["grad"])
+    _compare_grads(ctx, model, oracle, what, BF16_TOL["grad"])
 
 
 class TwiceRecomputed(nn.Module):
@@ -337,14 +343,10 @@ def recompute_after_unit_backward_output_dtype(ctx):
     policy = ns.MixedPrecisionPolicy(param_dtype=BF16, output_dtype=torch.float32)
     ns.fully_shard(model.u, mesh=ctx.mesh, mp_policy=policy)
     ns.fully_shard(model, mesh=ctx.mesh)
-    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
-    x, y = _batch(ctx, 0)
-    out, oout = model(x[mine]), oracle(x)
-    assert out.dtype == torch.float32, f"{ctx.where()} output dtype {out.dtype}, expected fp32"
-    assert_close(ctx, "output", out, oout[mine], BF16_TOL["out"])
-    loss = ((out - y[mine]) ** 2).mean()
-    oloss = ((oout - y) ** 2).mean(dim=1)
-    assert_close(ctx, "loss", loss, oloss[mine].mean(), BF16_TOL["out"])
-    _backward(ctx, loss, "u of param_dtype=bf16, output_dtype=fp32 recomputed twice")
-    oloss.mean().backward()
-    _compare_grads(ctx, model, oracle, "output_dtype=fp32", BF16_TOL["grad"])
+    _bf16_step(
+        ctx,
+        model,
+        oracle,
+        torch.float32,
+        "u of param_dtype=bf16, output_dtype=fp32 recomputed twice",
+    )
