@@ -297,7 +297,7 @@ SKIP_WRITEBACK = "FSDP_SKIP_WRITEBACK_CHECK"
 ONCE_PER_PROCESS = (*(case["var"] for case in FAKE_CASES.values()), SKIP_WRITEBACK)
 
 
-class _FakeKnobWarnings(logging.Handler):
+class _OncePerProcessWarnings(logging.Handler):
     """Keeps the message of every record at WARNING or above that names a variable of
     ``ONCE_PER_PROCESS`` (see [Note: a warning given once per process])."""
 
@@ -311,7 +311,7 @@ class _FakeKnobWarnings(logging.Handler):
             self.messages.append(text)
 
 
-_SEEN = _FakeKnobWarnings()
+_SEEN = _OncePerProcessWarnings()
 
 
 def _warnings_naming(ctx, var: str) -> list[str]:
