@@ -314,18 +314,17 @@ class FlatParamHandle(FlatGradHandling):
             if getattr(s.module, s.param_name) is not getattr(s.prim_module, s.prim_param_name):
                 raise NotImplementedError("Changing shared parameters is not supported yet")
         infos = fp._shard_param_infos
+        mine = [info.in_shard or not self.uses_sharded_strategy for info in infos]
         for i, info in enumerate(fp._param_infos):
             # The user replaced the variable itself (``lin.weight = nn.Parameter(...)``): adopt
             # the new Parameter where this rank holds a piece of it (R119); a deregistered one
             # (R80) is left alone.
             cur = getattr(info.module, info.param_name, None)
-            mine = infos[i].in_shard or not self.uses_sharded_strategy
-            if mine and isinstance(cur, nn.Parameter) and cur is not self._orig_params[i]:
+            if mine[i] and isinstance(cur, nn.Parameter) and cur is not self._orig_params[i]:
                 self._orig_params[i] = cur
         storage = fp.untyped_storage().data_ptr()
         replaced = [
-            p.untyped_storage().data_ptr() != storage
-            and (infos[i].in_shard or not self.uses_sharded_strategy)
+            mine[i] and p.untyped_storage().data_ptr() != storage
             for i, p in enumerate(self._orig_params)
         ]
         if not any(replaced):
