@@ -68,7 +68,8 @@ def collect_grad_tensors(output: Any) -> list[torch.Tensor]:
 
 def replace_grad_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
     """``obj`` with every tensor :func:`collect_grad_tensors` finds in it replaced by the next
-    tensor of ``new``, in the same order; every one of ``new`` must be used."""
+    tensor of ``new``, in the same order; every one of ``new`` must be used. ``new`` comes from
+    that walk of ``obj``, which has already held it to the depth limit."""
 
     def rebuild(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -103,7 +104,6 @@ def replace_grad_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
                 f"output with dataclasses.replace(), which FSDP needs: {e}"
             ) from None
 
-    collect_grad_tensors(obj)  # the depth limit, before anything is consumed
     result = rebuild(obj)
     if next(new, None) is not None:
         raise RuntimeError("more replacement tensors than tensors that need grad")
